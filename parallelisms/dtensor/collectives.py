@@ -1,0 +1,137 @@
+"""The only file that calls torch.distributed collectives.
+
+Every function works on local tensors of one mesh dim's group and follows `torch.chunk` sharding:
+uneven pieces are padded to the largest chunk for the fixed-size collectives (all_gather,
+reduce_scatter, scatter) and sent unpadded where the collective takes split sizes (all_to_all).
+Gloo has no AVG reduction, so "avg" is a SUM followed by a division on every backend.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed import ProcessGroup
+
+from .placements import chunk_size_and_offset, chunk_sizes
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+
+
+def _pad_dim(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """Zero-pad `t` along `dim` up to `size` (no copy when already that size)."""
+    missing = size - t.shape[dim]
+    if missing == 0:
+        return t
+    pad = [0, 0] * (t.ndim - dim - 1) + [0, missing]
+    return F.pad(t, pad)
+
+
+def _finish_avg(t: torch.Tensor, reduce_op: str, group_size: int) -> torch.Tensor:
+    return t.div_(group_size) if reduce_op == "avg" else t
+
+
+def all_reduce(local: torch.Tensor, reduce_op: str, group: ProcessGroup, group_size: int) -> torch.Tensor:
+    """Reduce `local` over the group into a new tensor (the input is left untouched)."""
+    out = local.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(out, op=_REDUCE_OPS[reduce_op], group=group)
+    return _finish_avg(out, reduce_op, group_size)
+
+
+def all_gather(local: torch.Tensor, dim: int, group: ProcessGroup, sizes: list[int]) -> torch.Tensor:
+    """Concatenate every rank's `local` along `dim`; `sizes[r]` is rank r's length on `dim`."""
+    n, full = len(sizes), max(sizes)
+    if full == 0:  # every shard is empty: nothing to move
+        shape = list(local.shape)
+        shape[dim] = 0
+        return local.new_empty(shape)
+    padded = _pad_dim(local, dim, full).contiguous()
+    out = padded.new_empty((n * padded.shape[0], *padded.shape[1:]))
+    dist.all_gather_single(out, padded, group=group)
+    if dim == 0 and all(s == full for s in sizes):
+        return out
+    pieces = [c.narrow(dim, 0, s) for c, s in zip(out.chunk(n), sizes)]
+    return torch.cat(pieces, dim=dim)
+
+
+def reduce_scatter(local: torch.Tensor, dim: int, reduce_op: str, group: ProcessGroup, index: int) -> torch.Tensor:
+    """Reduce `local` over the group and keep chunk `index` along `dim` (torch.chunk semantics)."""
+    n = group.size()
+    size = local.shape[dim]
+    full = -(-size // n) if size else 0
+    my_size, _ = chunk_size_and_offset(size, n, index)
+    if full == 0:
+        return all_reduce(local, reduce_op, group, n)  # empty along dim: only the shape matters
+    padded = _pad_dim(local, dim, full * n)
+    stacked = padded if dim == 0 else torch.cat(padded.chunk(n, dim=dim), dim=0)
+    stacked = stacked.contiguous()
+    out = stacked.new_empty((stacked.shape[0] // n, *stacked.shape[1:]))
+    dist.reduce_scatter_single(out, stacked, op=_REDUCE_OPS[reduce_op], group=group)
+    out = _finish_avg(out, reduce_op, n)  # already shaped like one chunk of `padded`
+    return out.narrow(dim, 0, my_size) if my_size != full else out
+
+
+def all_to_all(
+    local: torch.Tensor, src_dim: int, dst_dim: int, group: ProcessGroup, index: int, logical_shape: list[int]
+) -> torch.Tensor:
+    """Move sharding from `src_dim` to `dst_dim`: S(src) -> S(dst) with one all_to_all_single.
+
+    `logical_shape` is the shape this mesh dim splits. Rank r sends to rank k the k-th chunk of its
+    shard along `dst_dim`; pieces travel flattened with `src_dim` leading, so the receiver's
+    concatenation of pieces is already the concatenation along `src_dim`. No padding is sent.
+    """
+    n = group.size()
+    src_sizes = chunk_sizes(logical_shape[src_dim], n)
+    dst_sizes = chunk_sizes(logical_shape[dst_dim], n)
+    other = math.prod(s for d, s in enumerate(local.shape) if d not in (src_dim, dst_dim))
+    leading = local.movedim(src_dim, 0)
+    moved_dst = dst_dim + 1 if dst_dim < src_dim else dst_dim  # dst's index after the movedim
+    send = torch.cat([p.reshape(-1) for p in leading.split(dst_sizes, dim=moved_dst)])
+    my_dst = dst_sizes[index]
+    recv = send.new_empty(logical_shape[src_dim] * other * my_dst)
+    dist.all_to_all_single(
+        recv,
+        send,
+        output_split_sizes=[s * other * my_dst for s in src_sizes],
+        input_split_sizes=[src_sizes[index] * other * d for d in dst_sizes],
+        group=group,
+    )
+    out_shape = list(leading.shape)
+    out_shape[0], out_shape[moved_dst] = logical_shape[src_dim], my_dst
+    return recv.view(out_shape).movedim(0, src_dim).contiguous()
+
+
+def broadcast(tensor: torch.Tensor, group: ProcessGroup, group_src: int) -> torch.Tensor:
+    """Overwrite `tensor` (in place, contiguous) with group rank `group_src`'s copy."""
+    dist.broadcast(tensor, group=group, group_src=group_src)
+    return tensor
+
+
+def scatter_chunks(
+    tensor: torch.Tensor, dim: int, group: ProcessGroup, index: int, group_src: int
+) -> torch.Tensor:
+    """Chunk `tensor` along `dim` on the source rank and send rank r its chunk r.
+
+    Only the source's `tensor` is read; the others need only the same shape.
+    """
+    n = group.size()
+    sizes = chunk_sizes(tensor.shape[dim], n)
+    full = max(sizes)
+    shape = list(tensor.shape)
+    shape[dim] = full
+    out = tensor.new_empty(shape)
+    if full:
+        chunks = None
+        if index == group_src:
+            chunks = [_pad_dim(c, dim, full).contiguous() for c in tensor.split(sizes, dim=dim)]
+        dist.scatter(out, chunks, group=group, group_src=group_src)
+    return out.narrow(dim, 0, sizes[index]) if sizes[index] != full else out
+
+
+def all_gather_object(obj: object, group: ProcessGroup) -> list[object]:
+    """Every rank's `obj` (pickled); for rare metadata checks only."""
+    out: list[object] = [None] * group.size()
+    dist.all_gather_object(out, obj, group=group)
+    return out

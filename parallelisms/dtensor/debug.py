@@ -1,0 +1,93 @@
+"""CommDebugMode: count the collectives (and their bytes) issued while it is active.
+
+It is a TorchDispatchMode, so it sees every c10d collective that reaches the dispatcher: ours (the
+DTensor core and fsdp call `torch.distributed`), direct c10d calls, and torch's functional
+collectives. Keys follow torch's CommDebugMode: `torch.ops.c10d_functional.all_reduce`,
+`.all_gather_into_tensor`, `.reduce_scatter_tensor`, `.all_to_all_single`, `.broadcast`; ops with
+no functional twin (scatter, gather, reduce) keep their c10d key.
+
+Bytes are the payload this rank hands to the collective: the input buffer for all_reduce,
+all_gather, reduce_scatter and all_to_all, the tensor for broadcast, and the chunks for scatter.
+They do not depend on the algorithm the backend picks, so two implementations compare fairly.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import torch
+import torch.distributed._functional_collectives  # noqa: F401  (registers the c10d_functional keys)
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_py = torch.ops.c10d_functional
+_native = torch.ops._c10d_functional
+_c10d = torch.ops.c10d
+
+# op packet -> (key it is counted under, index of the argument whose bytes are the payload)
+_COLLECTIVES: dict[Any, tuple[Any, int]] = {
+    _native.all_reduce: (_py.all_reduce, 0),
+    _native.all_reduce_coalesced: (_py.all_reduce_coalesced, 0),
+    _native.all_gather_into_tensor: (_py.all_gather_into_tensor, 0),
+    _native.all_gather_into_tensor_coalesced: (_py.all_gather_into_tensor_coalesced, 0),
+    _native.reduce_scatter_tensor: (_py.reduce_scatter_tensor, 0),
+    _native.reduce_scatter_tensor_coalesced: (_py.reduce_scatter_tensor_coalesced, 0),
+    _native.all_to_all_single: (_py.all_to_all_single, 0),
+    _native.broadcast: (_py.broadcast, 0),
+    torch.ops._c10d_functional_autograd.all_to_all_single: (_py.all_to_all_single, 0),
+    _c10d.allreduce_: (_py.all_reduce, 0),
+    _c10d.allreduce_coalesced_: (_py.all_reduce_coalesced, 0),
+    _c10d._allgather_base_: (_py.all_gather_into_tensor, 1),
+    _c10d.allgather_: (_py.all_gather_into_tensor, 1),
+    _c10d.allgather_into_tensor_coalesced_: (_py.all_gather_into_tensor_coalesced, 1),
+    _c10d._reduce_scatter_base_: (_py.reduce_scatter_tensor, 1),
+    _c10d.reduce_scatter_: (_py.reduce_scatter_tensor, 1),
+    _c10d.reduce_scatter_tensor_coalesced_: (_py.reduce_scatter_tensor_coalesced, 1),
+    _c10d.alltoall_base_: (_py.all_to_all_single, 1),
+    _c10d.alltoall_: (_py.all_to_all_single, 1),
+    _c10d.broadcast_: (_py.broadcast, 0),
+    _c10d.scatter_: (_c10d.scatter_, 1),
+    _c10d.gather_: (_c10d.gather_, 1),
+    _c10d.reduce_: (_c10d.reduce_, 0),
+}
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        local = getattr(value, "_local_tensor", value)
+        return local.numel() * local.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+class CommDebugMode(TorchDispatchMode):
+    """Context manager counting collectives by kind, with the bytes each rank sent."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.comm_counts: dict[Any, int] = defaultdict(int)
+        self.comm_bytes: dict[Any, int] = defaultdict(int)
+
+    def __enter__(self) -> CommDebugMode:
+        self.comm_counts.clear()
+        self.comm_bytes.clear()
+        super().__enter__()
+        return self
+
+    def get_total_counts(self) -> int:
+        return sum(self.comm_counts.values())
+
+    def get_comm_counts(self) -> dict[Any, int]:
+        return dict(self.comm_counts)
+
+    def get_comm_bytes(self) -> dict[Any, int]:
+        return dict(self.comm_bytes)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        entry = _COLLECTIVES.get(func._overloadpacket)
+        if entry is not None:
+            key, payload = entry
+            self.comm_counts[key] += 1
+            self.comm_bytes[key] += _nbytes(args[payload]) if payload < len(args) else 0
+        return func(*args, **(kwargs or {}))

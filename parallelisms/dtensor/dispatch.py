@@ -1,0 +1,349 @@
+"""`__torch_dispatch__` for DTensor: unwrap -> rule (cached) -> redistribute -> local op -> wrap.
+
+The steady state of an op is one pass over its args building the cache key and the local args, a
+dict lookup, the local op, and wrapping the outputs. On a cache miss the op's rule chooses the
+cheapest legal Sharding (fewest bytes moved), and the op runs once on meta tensors of the global
+shapes to learn the output shapes, strides and dtypes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+from torch._ops import OpOverload
+
+from .dtensor import DTensor
+from .placements import Partial, Placement, Replicate, Shard
+from .redistribute import plan_transitions, redistribute_local
+from .spec import DTensorSpec, TensorMeta
+from .ops import RULES, OpCall, Sharding, rule_file_for
+from .ops import random as random_ops
+
+logger = logging.getLogger(__name__)
+DEBUG = os.environ.get("MESHTRAIN_DEBUG", "0") not in ("", "0")
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """A cached decision: where inputs must go and what the outputs are."""
+
+    input_placements: tuple[tuple[Placement, ...] | None, ...]  # per flat DTensor input; None: as is
+    output_specs: tuple[DTensorSpec | None, ...]  # per tensor output leaf
+    redistributes: bool
+    random: bool
+
+
+PLANS: dict[tuple, Plan] = {}
+_fallback_enabled = False
+_fallback_warned: set[OpOverload] = set()
+
+
+def dispatch(op: OpOverload, args: tuple, kwargs: dict | None) -> Any:
+    kwargs = kwargs or {}
+    dtensors: list[DTensor] = []
+    key_args, local_args = _unwrap_all(op, args, dtensors)
+    if kwargs:
+        key_kwargs, local_kwargs = _unwrap_kwargs(op, kwargs, dtensors)
+    else:
+        key_kwargs, local_kwargs = (), kwargs
+    key = (op, key_args, key_kwargs)
+    try:
+        plan = PLANS.get(key)
+    except TypeError:  # an unhashable static arg: decide without caching
+        key, plan = None, None
+    if plan is None:
+        plan = build_plan(op, key_args, dict(key_kwargs) if key_kwargs else {}, dtensors)
+        if key is not None:
+            PLANS[key] = plan
+    if plan.redistributes:
+        local_args, local_kwargs = _redistribute_inputs(op, args, kwargs, dtensors, plan)
+    if plan.random:
+        out = random_ops.run_seeded(op, local_args, local_kwargs, plan.output_specs)
+    else:
+        out = op(*local_args, **local_kwargs)
+    return _wrap(op, out, args, kwargs, plan.output_specs)
+
+
+# --------------------------------------------------------------------------------------------------
+# unwrap
+# --------------------------------------------------------------------------------------------------
+
+
+def _unwrap_one(op: OpOverload, a: Any, dtensors: list[DTensor]) -> tuple[Any, Any]:
+    if isinstance(a, DTensor):
+        dtensors.append(a)
+        return a._spec, a._local_tensor
+    if isinstance(a, torch.Tensor):
+        if a.ndim == 0:  # a plain 0-d tensor acts as a replicated scalar
+            return ("scalar_tensor", a.dtype, a.device.type), a
+        raise TypeError(
+            f"{op}: got a plain torch.Tensor of shape {tuple(a.shape)} mixed with DTensors; convert it with "
+            f"distribute_tensor(t, mesh, placements) or DTensor.from_local(t, mesh, placements) first"
+        )
+    if isinstance(a, (list, tuple)):
+        if not a or not any(isinstance(x, torch.Tensor) for x in a):
+            return tuple(a), a
+        keys, locals_ = zip(*(_unwrap_one(op, x, dtensors) for x in a))
+        return tuple(keys), list(locals_)
+    return a, a
+
+
+def _unwrap_all(op: OpOverload, args: tuple, dtensors: list[DTensor]) -> tuple[tuple, list]:
+    keys, locals_ = [], []
+    for a in args:
+        if type(a) is DTensor:  # the common case, without the generic checks
+            dtensors.append(a)
+            keys.append(a._spec)
+            locals_.append(a._local_tensor)
+        else:
+            k, local = _unwrap_one(op, a, dtensors)
+            keys.append(k)
+            locals_.append(local)
+    return tuple(keys), locals_
+
+
+def _unwrap_kwargs(op: OpOverload, kwargs: dict, dtensors: list[DTensor]) -> tuple[tuple, dict]:
+    keys, locals_ = [], {}
+    for name, a in kwargs.items():
+        k, local = _unwrap_one(op, a, dtensors)
+        keys.append((name, k))
+        locals_[name] = local
+    return tuple(keys), locals_
+
+
+def _redistribute_inputs(op: OpOverload, args: tuple, kwargs: dict, dtensors: list[DTensor], plan: Plan):
+    """Local args with every DTensor input moved to the plan's placements (no autograd here)."""
+    new_locals: dict[int, torch.Tensor] = {}
+    for i, (dt, target) in enumerate(zip(dtensors, plan.input_placements)):
+        if target is None or target == dt._spec.placements:
+            continue
+        if DEBUG:
+            _log_redistribute(op, i, dt._spec, target)
+        new_locals[id(dt)] = redistribute_local(dt._local_tensor, dt._spec, target)
+
+    def local_of(a: Any) -> Any:
+        if isinstance(a, DTensor):
+            return new_locals.get(id(a), a._local_tensor)
+        if isinstance(a, (list, tuple)) and any(isinstance(x, DTensor) for x in a):
+            return [local_of(x) for x in a]
+        return a
+
+    return [local_of(a) for a in args], {k: local_of(v) for k, v in kwargs.items()}
+
+
+def _log_redistribute(op: OpOverload, index: int, spec: DTensorSpec, target: tuple[Placement, ...]) -> None:
+    names = spec.mesh.mesh_dim_names or tuple(str(i) for i in range(spec.mesh.ndim))
+    comms = [f"{_collective_name(t.src, t.dst)} on {names[t.mesh_dim]}" for t in plan_transitions(spec, target)]
+    src = ",".join(map(str, spec.placements))
+    dst = ",".join(map(str, target))
+    logger.info("%s arg%d (%s)->(%s): %s", op, index, src, dst, "; ".join(comms) or "local")
+
+
+def _collective_name(src: Placement, dst: Placement) -> str:
+    if isinstance(dst, Replicate):
+        return "all_gather" if isinstance(src, Shard) else "all_reduce"
+    if isinstance(dst, Shard):
+        return {Replicate: "local chunk", Partial: "reduce_scatter", Shard: "all_to_all"}[type(src)]
+    return "local partition"
+
+
+# --------------------------------------------------------------------------------------------------
+# planning (cache misses only)
+# --------------------------------------------------------------------------------------------------
+
+
+def build_plan(op: OpOverload, key_args: tuple, key_kwargs: dict, dtensors: list[DTensor]) -> Plan:
+    call = OpCall(op, key_args, key_kwargs)
+    specs = call.specs
+    _check_same_mesh(op, specs)
+    rule = RULES.get(op)
+    if rule is None:
+        if _fallback_enabled:
+            return _fallback_plan(op, call)
+        raise NotImplementedError(
+            f"no sharding rule for {op} with placements "
+            f"{tuple(tuple(str(p) for p in s.placements) for s in specs)}; rules for this family live in "
+            f"{rule_file_for(op)} (or wrap the call in parallelisms.dtensor.dispatch.replicate_fallback())"
+        )
+    choice = choose(call, rule(call))
+    return _finish_plan(call, choice)
+
+
+def choose(call: OpCall, candidates: Sharding | list[Sharding]) -> Sharding:
+    """The candidate that moves the fewest bytes; ties keep more outputs sharded."""
+    if isinstance(candidates, Sharding):
+        return candidates
+    if not candidates:
+        raise NotImplementedError(f"the rule for {call.op} found no legal sharding for these placements")
+    specs = call.specs
+    return min(candidates, key=lambda s: (redistribute_cost(specs, s.inputs), -_sharded_outputs(s)))
+
+
+def _sharded_outputs(s: Sharding) -> int:
+    return sum(isinstance(p, Shard) for out in s.outputs if out for p in out)
+
+
+def redistribute_cost(specs: list[DTensorSpec], targets: tuple) -> float:
+    """Bytes a rank sends to move every input to its target (ring algorithms' volumes)."""
+    total = 0.0
+    for spec, target in zip(specs, targets):
+        if target is None or target == spec.placements:
+            continue
+        elsize = spec.dtype.itemsize
+        for t in plan_transitions(spec, target):
+            n = spec.mesh.size(t.mesh_dim)
+            numel = 1
+            for s in t.logical_shape:
+                numel *= s
+            volume = numel * elsize * (n - 1) / n
+            if isinstance(t.dst, Replicate) and isinstance(t.src, Partial):
+                total += 2 * volume  # all_reduce = reduce_scatter + all_gather
+            elif isinstance(t.src, Shard) and isinstance(t.dst, Shard):
+                total += volume / n
+            elif isinstance(t.src, Replicate):
+                total += 1e-3 * numel  # local chunk / partition: no traffic, a little copying
+            else:
+                total += volume
+    return total
+
+
+def _finish_plan(call: OpCall, choice: Sharding) -> Plan:
+    op, specs = call.op, call.specs
+    if len(choice.inputs) != len(specs):
+        raise AssertionError(f"rule for {op} returned {len(choice.inputs)} input placements for {len(specs)} inputs")
+    input_specs = [
+        spec if target is None else spec.with_placements(target) for spec, target in zip(specs, choice.inputs)
+    ]
+    metas = _output_metas(call, input_specs)
+    if len(metas) != len(choice.outputs):
+        raise AssertionError(f"rule for {op} returned {len(choice.outputs)} output placements for {len(metas)} outputs")
+    mesh = specs[0].mesh
+    output_specs = tuple(
+        None if meta is None or placements is None else DTensorSpec(mesh, tuple(placements), meta)
+        for meta, placements in zip(metas, choice.outputs)
+    )
+    _check_mutation(op, call, specs, choice, output_specs)
+    redistributes = any(t is not None and t != s.placements for s, t in zip(specs, choice.inputs))
+    return Plan(tuple(choice.inputs), output_specs, redistributes, random_ops.is_random(op))
+
+
+def _output_metas(call: OpCall, input_specs: list[DTensorSpec]) -> list[TensorMeta | None]:
+    """Global output metadata: run the op on meta tensors of the global shapes."""
+    if not any("Tensor" in str(r.type) for r in call.op._schema.returns):
+        return []
+    it = iter(input_specs)
+
+    def to_meta(a: Any) -> Any:
+        if isinstance(a, DTensorSpec):
+            spec = next(it)
+            return torch.empty_strided(spec.shape, spec.stride, dtype=spec.dtype, device="meta")
+        if isinstance(a, tuple) and a and a[0] == "scalar_tensor":
+            return torch.zeros((), dtype=a[1], device="meta")
+        if isinstance(a, tuple) and any(isinstance(x, (DTensorSpec, tuple)) for x in a):
+            return [to_meta(x) for x in a]
+        return a
+
+    meta_args = [to_meta(a) for a in call.args]
+    meta_kwargs = {k: to_meta(v) for k, v in call.kwargs.items()}
+    out = call.op(*meta_args, **meta_kwargs)
+    leaves = out if isinstance(out, (tuple, list)) else [out]
+    return [
+        TensorMeta(o.shape, tuple(o.stride()), o.dtype) if isinstance(o, torch.Tensor) else None for o in leaves
+    ]
+
+
+def _check_same_mesh(op: OpOverload, specs: list[DTensorSpec]) -> None:
+    if not specs:
+        raise AssertionError(f"{op} reached DTensor dispatch without DTensor inputs")
+    mesh = specs[0].mesh
+    for s in specs[1:]:
+        if s.mesh != mesh:
+            raise ValueError(
+                f"{op}: DTensor inputs live on different meshes ({mesh} and {s.mesh}); "
+                f"redistribute them onto one mesh first"
+            )
+
+
+def _check_mutation(op: OpOverload, call: OpCall, specs, choice: Sharding, output_specs) -> None:
+    """In-place and out= ops write into an existing DTensor: its placements may not change."""
+    schema = op._schema
+    if not schema.is_mutable:
+        return
+    for i, arg in enumerate(schema.arguments):
+        info = arg.alias_info
+        if info is None or not info.is_write:
+            continue
+        value = call.args[i] if i < len(call.args) and not arg.kwarg_only else call.kwargs.get(arg.name)
+        if not isinstance(value, DTensorSpec):
+            continue
+        index = specs.index(value) if value in specs else None
+        target = choice.inputs[index] if index is not None else None
+        if target is not None and target != value.placements:
+            raise RuntimeError(
+                f"{op} writes into {arg.name} with placements {tuple(map(str, value.placements))}, but "
+                f"running it needs {tuple(map(str, target))}; redistribute {arg.name} out of place first "
+                f"(e.g. x = x.redistribute(...)) "
+            )
+
+
+def _fallback_plan(op: OpOverload, call: OpCall) -> Plan:
+    if op not in _fallback_warned:
+        _fallback_warned.add(op)
+        logger.warning("no sharding rule for %s: gathering its inputs to Replicate (replicate_fallback)", op)
+    r = (Replicate(),) * call.mesh_ndim
+    mutated = [a for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    if mutated:
+        raise NotImplementedError(f"replicate_fallback cannot run in-place op {op}; it needs a sharding rule")
+    n_out = len(_output_metas(call, [s.with_placements(r) for s in call.specs]))
+    return _finish_plan(call, Sharding(tuple(r for _ in call.specs), tuple(r for _ in range(n_out))))
+
+
+@contextmanager
+def replicate_fallback() -> Iterator[None]:
+    """Ops without a rule gather their inputs to Replicate and return Replicate outputs.
+
+    Correct but communication-heavy; a warning names each op once so a rule can be written.
+    """
+    global _fallback_enabled
+    previous, _fallback_enabled = _fallback_enabled, True
+    try:
+        yield
+    finally:
+        _fallback_enabled = previous
+
+
+# --------------------------------------------------------------------------------------------------
+# wrap
+# --------------------------------------------------------------------------------------------------
+
+
+def _wrap(op: OpOverload, out: Any, args: tuple, kwargs: dict, output_specs: tuple) -> Any:
+    if isinstance(out, torch.Tensor):
+        mutated = _mutated_arg(op, args, kwargs)
+        if mutated is not None:
+            return mutated
+        return DTensor(out, output_specs[0])
+    if isinstance(out, (tuple, list)):
+        wrapped = [
+            DTensor(o, spec) if isinstance(o, torch.Tensor) and spec is not None else o
+            for o, spec in zip(out, output_specs)
+        ]
+        return type(out)(wrapped) if isinstance(out, tuple) else wrapped
+    return out
+
+
+def _mutated_arg(op: OpOverload, args: tuple, kwargs: dict) -> DTensor | None:
+    """The DTensor an in-place (`add_`) or out= op returns, else None."""
+    if not op._schema.is_mutable:
+        return None
+    if "out" in kwargs:
+        return kwargs["out"]
+    first = op._schema.arguments[0]
+    if first.alias_info is not None and first.alias_info.is_write and isinstance(args[0], DTensor):
+        return args[0]
+    return None

@@ -1,0 +1,350 @@
+"""The DTensor class and the ways into and out of it: from_local, to_local, full_tensor,
+redistribute, distribute_tensor and distribute_module.
+
+A DTensor is a `torch.Tensor` wrapper subclass: autograd and module code see a tensor of the global
+shape; the data is this rank's shard (`_local_tensor`) and `_spec` says how the shards make up the
+global tensor. Every aten op on it goes through `dispatch.dispatch`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from . import collectives
+from .device_mesh import DeviceMesh
+from .placements import Partial, Placement, Replicate, Shard, normalize_placements
+from .redistribute import Redistribute, check_target, redistribute_grad, redistribute_local
+from .spec import DTensorSpec, TensorMeta
+
+
+class DTensor(torch.Tensor):
+    """A global tensor sharded, replicated or partially reduced over a DeviceMesh."""
+
+    _local_tensor: torch.Tensor
+    _spec: DTensorSpec
+    __slots__ = ("_local_tensor", "_spec")
+
+    @staticmethod
+    def __new__(cls, local_tensor: torch.Tensor, spec: DTensorSpec, *, requires_grad: bool = False) -> DTensor:
+        meta = spec.tensor_meta
+        r = torch.Tensor._make_wrapper_subclass(
+            cls,
+            meta.shape,
+            strides=meta.stride,
+            dtype=local_tensor.dtype,
+            device=local_tensor.device,
+            layout=local_tensor.layout,
+            requires_grad=requires_grad,
+        )
+        r._local_tensor = local_tensor
+        r._spec = spec
+        return r
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+        return _dispatch(func, args, kwargs)
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return (
+            f"DTensor(local_tensor={self._local_tensor}, device_mesh={self._spec.mesh}, "
+            f"placements={self.placements}, shape={tuple(self.shape)})"
+        )
+
+    def __tensor_flatten__(self) -> tuple[list[str], DTensorSpec]:
+        return ["_local_tensor"], self._spec
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict, spec: DTensorSpec, outer_size, outer_stride) -> DTensor:
+        local = inner["_local_tensor"]
+        meta = TensorMeta(torch.Size(outer_size), tuple(outer_stride), local.dtype)
+        return DTensor(local, DTensorSpec(spec.mesh, spec.placements, meta), requires_grad=local.requires_grad)
+
+    # ------------------------------------------------------------------------------ public API
+    @property
+    def placements(self) -> tuple[Placement, ...]:
+        return self._spec.placements
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        return self._spec.mesh
+
+    @staticmethod
+    def from_local(
+        local_tensor: torch.Tensor,
+        device_mesh: DeviceMesh | None = None,
+        placements: Sequence[Placement] | None = None,
+        *,
+        run_check: bool = False,
+        shape: torch.Size | Sequence[int] | None = None,
+        stride: Sequence[int] | None = None,
+    ) -> DTensor:
+        """Wrap every rank's `local_tensor` as the shards of one global tensor.
+
+        Without `shape`, shards are assumed even (global size = local size * mesh dim size); pass
+        `shape` (and `stride`) for uneven shards. `run_check=True` verifies the local shapes against
+        the global shape and broadcasts replicated data from the first rank of each mesh dim.
+        """
+        mesh = device_mesh or _require_mesh("from_local")
+        placements = normalize_placements(placements or [Replicate()] * mesh.ndim, local_tensor.ndim, mesh.ndim)
+        spec = _spec_from_local(local_tensor, mesh, placements, shape, stride)
+        if run_check:
+            local_tensor = _check_and_sync_local(local_tensor, spec)
+        if torch.is_grad_enabled() and local_tensor.requires_grad:
+            return _FromLocal.apply(local_tensor, spec)
+        return DTensor(local_tensor, spec, requires_grad=local_tensor.requires_grad)
+
+    def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
+        """This rank's shard. In backward the grad is taken to have `grad_placements` (default: ours)."""
+        if not (torch.is_grad_enabled() and self.requires_grad):
+            return self._local_tensor
+        grads = None
+        if grad_placements is not None:
+            grads = normalize_placements(grad_placements, self.ndim, self._spec.mesh.ndim)
+        return _ToLocal.apply(self, grads)
+
+    def redistribute(
+        self,
+        device_mesh: DeviceMesh | None = None,
+        placements: Sequence[Placement] | None = None,
+        *,
+        async_op: bool = False,
+    ) -> DTensor:
+        """Same global tensor with new placements (differentiable).
+
+        `async_op` is accepted for API parity; collectives complete before this returns.
+        """
+        spec = self._spec
+        if device_mesh is not None and device_mesh != spec.mesh:
+            raise NotImplementedError(
+                f"redistribute across meshes ({spec.mesh} -> {device_mesh}) is not supported; "
+                f"to_local() and from_local() on the new mesh instead"
+            )
+        if placements is None:
+            raise ValueError("redistribute() needs placements, e.g. [Replicate()] * mesh.ndim")
+        target = normalize_placements(placements, self.ndim, spec.mesh.ndim)
+        if target == spec.placements:
+            return self
+        check_target(spec, target)
+        if torch.is_grad_enabled() and self.requires_grad:
+            return Redistribute.apply(self, target, async_op)
+        return DTensor(redistribute_local(self._local_tensor, spec, target), spec.with_placements(target))
+
+    def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
+        """The whole global tensor on every rank (all-gathers / all-reduces as needed)."""
+        replicated = self.redistribute(placements=[Replicate()] * self._spec.mesh.ndim)
+        return replicated.to_local(grad_placements=grad_placements)
+
+
+def _dispatch(func, args, kwargs):
+    from .dispatch import dispatch  # dispatch imports this module; bind late
+
+    global _dispatch
+    _dispatch = dispatch
+    return dispatch(func, args, kwargs)
+
+
+class _FromLocal(torch.autograd.Function):
+    """local -> DTensor; backward hands each rank its shard of the grad in the forward placements."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, spec: DTensorSpec):  # type: ignore[override]
+        ctx.placements = spec.placements
+        return DTensor(local.view_as(local), spec, requires_grad=local.requires_grad)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        if not isinstance(grad, DTensor):
+            raise TypeError(f"from_local backward expects a DTensor grad, got {type(grad).__name__}")
+        local = redistribute_grad(grad, ctx.placements)._local_tensor
+        return local.view_as(local), None
+
+
+class _ToLocal(torch.autograd.Function):
+    """DTensor -> local; backward wraps the local grad with `grad_placements` (default: ours)."""
+
+    @staticmethod
+    def forward(ctx, input: DTensor, grad_placements: tuple[Placement, ...] | None):  # type: ignore[override]
+        ctx.spec = input._spec
+        ctx.grad_placements = grad_placements
+        local = input._local_tensor
+        return local.view_as(local)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        spec: DTensorSpec = ctx.spec
+        placements = ctx.grad_placements or spec.placements
+        meta = TensorMeta(spec.shape, spec.stride, grad.dtype)
+        return DTensor(grad, DTensorSpec(spec.mesh, placements, meta)), None
+
+
+def _require_mesh(what: str) -> DeviceMesh:
+    raise ValueError(f"{what} needs a device_mesh; build one with init_device_mesh(...)")
+
+
+def _spec_from_local(
+    local: torch.Tensor,
+    mesh: DeviceMesh,
+    placements: tuple[Placement, ...],
+    shape: Sequence[int] | None,
+    stride: Sequence[int] | None,
+) -> DTensorSpec:
+    if shape is not None:
+        global_shape = torch.Size(shape)
+        global_stride = tuple(stride) if stride is not None else _contiguous_stride(global_shape)
+    else:
+        if stride is not None:
+            raise ValueError("from_local got stride= without shape=; pass both for uneven shards")
+        sizes, strides = list(local.shape), list(local.stride())
+        for m, p in enumerate(placements):
+            if isinstance(p, Shard):  # even shards: scale the dim and every stride laid out above it
+                n = mesh.size(m)
+                for i in range(len(sizes)):
+                    if i != p.dim and strides[i] >= strides[p.dim]:
+                        strides[i] *= n
+                sizes[p.dim] *= n
+        global_shape, global_stride = torch.Size(sizes), tuple(strides)
+    return DTensorSpec(mesh, placements, TensorMeta(global_shape, global_stride, local.dtype))
+
+
+def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(stride))
+
+
+def _check_and_sync_local(local: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
+    """from_local(run_check=True): every rank checks every rank's shard, then replicas are synced.
+
+    All ranks see the same gathered facts, so a mismatch raises the same error everywhere instead
+    of leaving some ranks hanging in the next collective.
+    """
+    mesh = spec.mesh
+    expected, _ = spec.local_shape_and_offset()
+    mine = (mesh.get_rank(), tuple(local.shape), str(local.dtype), tuple(spec.shape), expected)
+    for m in range(mesh.ndim):
+        for rank, local_shape, dtype, global_shape, want in collectives.all_gather_object(mine, mesh.get_group(m)):
+            if dtype != mine[2] or global_shape != mine[3]:
+                raise ValueError(
+                    f"from_local: rank {rank} has dtype {dtype} and global shape {global_shape}, rank "
+                    f"{mine[0]} has {mine[2]} and {mine[3]}; uneven shards need shape=/stride= of the global tensor"
+                )
+            if local_shape != want:
+                raise ValueError(
+                    f"from_local: rank {rank} holds a shard of shape {local_shape} but placements "
+                    f"{[str(p) for p in spec.placements]} of global shape {global_shape} give it {want}"
+                )
+    for m, p in enumerate(spec.placements):
+        if isinstance(p, Replicate):
+            local = collectives.broadcast(local.contiguous(), mesh.get_group(m), 0)
+    return local
+
+
+# --------------------------------------------------------------------------------------------------
+# distribute_tensor / distribute_module
+# --------------------------------------------------------------------------------------------------
+
+
+def distribute_tensor(
+    tensor: torch.Tensor,
+    device_mesh: DeviceMesh | None = None,
+    placements: Sequence[Placement] | None = None,
+    *,
+    src_data_rank: int | None = 0,
+) -> DTensor:
+    """Split a global tensor into a leaf DTensor.
+
+    Shards are scattered and replicas broadcast from group rank `src_data_rank` of each mesh dim, so
+    only that rank's data matters; with `src_data_rank=None` every rank chunks its own copy locally
+    (no communication; the copies must agree).
+    """
+    mesh = device_mesh or _require_mesh("distribute_tensor")
+    if isinstance(tensor, DTensor):
+        raise ValueError("distribute_tensor got a DTensor; call .redistribute(...) on it instead")
+    placements = normalize_placements(placements or [Replicate()] * mesh.ndim, tensor.ndim, mesh.ndim)
+    spec = DTensorSpec(mesh, placements, TensorMeta(tensor.shape, tuple(tensor.stride()), tensor.dtype))
+    if tensor.device.type != mesh.device_type:
+        tensor = tensor.to(mesh.device_type)
+    local = tensor.detach()
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        return DTensor(local.new_empty(0), spec, requires_grad=tensor.requires_grad)
+    for m, p in enumerate(placements):
+        local = _distribute_on_mesh_dim(local, mesh, m, coordinate[m], p, src_data_rank)
+    if local is tensor or local._base is tensor or local.data_ptr() == tensor.data_ptr():
+        local = local.clone()  # the DTensor owns its shard; never alias the caller's tensor
+    return DTensor(local.requires_grad_(tensor.requires_grad), spec, requires_grad=tensor.requires_grad)
+
+
+def _distribute_on_mesh_dim(
+    local: torch.Tensor, mesh: DeviceMesh, m: int, index: int, p: Placement, src: int | None
+) -> torch.Tensor:
+    n = mesh.size(m)
+    if src is not None and not 0 <= src < n:
+        raise ValueError(f"src_data_rank={src} is out of range for mesh dim {m} of size {n}")
+    if isinstance(p, Shard):
+        if src is None or n == 1:
+            return _local_chunk(local, p.dim, n, index)
+        return collectives.scatter_chunks(local, p.dim, mesh.get_group(m), index, src)
+    if src is not None and n > 1:
+        local = collectives.broadcast(local.contiguous().clone(), mesh.get_group(m), src)
+    if isinstance(p, Partial) and p.reduce_op == "sum":
+        local = local / n
+    return local
+
+
+def _local_chunk(t: torch.Tensor, dim: int, n: int, index: int) -> torch.Tensor:
+    from .placements import chunk_size_and_offset
+
+    size, start = chunk_size_and_offset(t.shape[dim], n, index)
+    return t.narrow(dim, start, size).contiguous()
+
+
+ModuleFn = Callable[[nn.Module, Any, DeviceMesh], Any]
+
+
+def distribute_module(
+    module: nn.Module,
+    device_mesh: DeviceMesh | None = None,
+    partition_fn: Callable[[str, nn.Module, DeviceMesh], None] | None = None,
+    input_fn: ModuleFn | None = None,
+    output_fn: ModuleFn | None = None,
+) -> nn.Module:
+    """Turn a module's parameters and buffers into DTensors and hook its inputs/outputs.
+
+    `partition_fn(name, submodule, mesh)` runs on every submodule; parameters and buffers it leaves
+    as plain tensors are replicated. `input_fn(module, inputs, mesh)` runs before forward and may
+    return new inputs; `output_fn(module, outputs, mesh)` runs after and may return new outputs.
+    """
+    mesh = device_mesh or _require_mesh("distribute_module")
+    if getattr(module, "_distribute_module_applied", False):
+        raise RuntimeError(f"distribute_module was already applied to {type(module).__name__}; apply it once")
+    for name, submodule in module.named_modules():
+        if partition_fn is not None:
+            partition_fn(name, submodule, mesh)
+        _replicate_params_and_buffers(submodule, mesh)
+    if input_fn is not None:
+        module.register_forward_pre_hook(lambda mod, inputs: input_fn(mod, inputs, mesh))
+    if output_fn is not None:
+        module.register_forward_hook(lambda mod, inputs, outputs: output_fn(mod, outputs, mesh))
+    module._distribute_module_applied = True  # type: ignore[assignment]
+    return module
+
+
+def _replicate_params_and_buffers(module: nn.Module, mesh: DeviceMesh) -> None:
+    replicate = [Replicate()] * mesh.ndim
+    for key, param in module._parameters.items():
+        if param is not None and not isinstance(param, DTensor):
+            module.register_parameter(
+                key, nn.Parameter(distribute_tensor(param.data, mesh, replicate), requires_grad=param.requires_grad)
+            )
+    for key, buffer in module._buffers.items():
+        if buffer is not None and not isinstance(buffer, DTensor):
+            module._buffers[key] = distribute_tensor(buffer, mesh, replicate)

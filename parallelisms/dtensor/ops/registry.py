@@ -1,0 +1,150 @@
+"""Sharding rules: the types a rule speaks and the registry that maps aten ops to rules.
+
+A rule is a pure function `rule(call: OpCall) -> Sharding | list[Sharding]`. It reads the input
+specs (placements, global shapes) and the static args, and says which placements each DTensor input
+must have and which placements the outputs then have. Output shapes, strides and dtypes are not the
+rule's business: the dispatcher gets them by running the op once on meta tensors of the global shapes.
+When a rule offers several Shardings the dispatcher takes the one that moves the fewest bytes.
+Rules never touch process groups, so they are tested without ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch._ops import OpOverload, OpOverloadPacket
+
+from ..placements import Partial, Placement, Replicate, Shard
+from ..spec import DTensorSpec
+
+Placements = tuple[Placement, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class OpCall:
+    """An op call as rules see it: every DTensor arg replaced by its DTensorSpec, lists as tuples."""
+
+    op: OpOverload
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+    @property
+    def specs(self) -> list[DTensorSpec]:
+        """Input specs in flat order (the order of `Sharding.inputs`)."""
+        return [a for a in iter_flat(self.args, self.kwargs) if isinstance(a, DTensorSpec)]
+
+    @property
+    def mesh_ndim(self) -> int:
+        return self.specs[0].mesh.ndim
+
+    @property
+    def name(self) -> str:
+        return op_name(self.op)
+
+
+@dataclass(frozen=True, slots=True)
+class Sharding:
+    """One way to run an op.
+
+    inputs:  placements each DTensor input must have (flat order; None keeps the input as it is).
+    outputs: placements of each tensor the op returns (flat pytree order); None for non-tensors.
+    """
+
+    inputs: tuple[Placements | None, ...]
+    outputs: tuple[Placements | None, ...]
+
+
+Rule = Callable[[OpCall], "Sharding | list[Sharding]"]
+
+RULES: dict[OpOverload, Rule] = {}
+
+
+def register(*ops: OpOverload | OpOverloadPacket) -> Callable[[Rule], Rule]:
+    """Register `rule` for ops; a packet (`aten.add`) registers every overload it has."""
+
+    def wrap(rule: Rule) -> Rule:
+        for op in ops:
+            for overload in _overloads(op):
+                RULES[overload] = rule
+        return rule
+
+    return wrap
+
+
+def _overloads(op: OpOverload | OpOverloadPacket) -> Iterator[OpOverload]:
+    if isinstance(op, OpOverload):
+        yield op
+        return
+    for name in op.overloads():
+        yield getattr(op, name)
+
+
+def iter_flat(args: tuple, kwargs: dict) -> Iterator[Any]:
+    """Args then kwargs values, one level of lists/tuples flattened (the order of DTensor inputs)."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, (list, tuple)):
+            yield from a
+        else:
+            yield a
+
+
+def op_name(op: OpOverload) -> str:
+    """`aten.add.Tensor` style name."""
+    return str(op)
+
+
+# --------------------------------------------------------------------------------------------------
+# helpers shared by many families
+# --------------------------------------------------------------------------------------------------
+
+
+def replicate(ndim: int) -> Placements:
+    return (Replicate(),) * ndim
+
+
+def is_shard(p: Placement, dim: int | None = None) -> bool:
+    return isinstance(p, Shard) and (dim is None or p.dim == dim)
+
+
+def is_partial(p: Placement) -> bool:
+    return isinstance(p, Partial)
+
+
+def all_replicated(call: OpCall, num_outputs: int = 1) -> Sharding:
+    """Everything gathered to Replicate: always legal, the fallback of every family."""
+    r = replicate(call.mesh_ndim)
+    return Sharding(tuple(r for _ in call.specs), tuple(r for _ in range(num_outputs)))
+
+
+RULE_FILES = (
+    ("_foreach_", "foreach.py"),
+    ("embedding", "embedding.py"),
+    ("attention", "attention.py"),
+    ("loss", "loss.py"),
+    ("norm", "norms.py"),
+    ("softmax", "norms.py"),
+    ("mm", "matmul.py"),
+    ("linear", "matmul.py"),
+    ("matmul", "matmul.py"),
+    ("dot", "matmul.py"),
+)
+
+
+def rule_file_for(op: OpOverload) -> str:
+    """The file where the rules of `op`'s family live (named in missing-rule errors)."""
+    name = op.name()
+    for needle, file in RULE_FILES:
+        if needle in name:
+            return f"parallelisms/dtensor/ops/{file}"
+    if torch.Tag.nondeterministic_seeded in op.tags:
+        return "parallelisms/dtensor/ops/random.py"
+    if torch.Tag.pointwise in op.tags:
+        return "parallelisms/dtensor/ops/pointwise.py"
+    if op.is_view:
+        return "parallelisms/dtensor/ops/views.py"
+    if torch.Tag.reduction in op.tags:
+        return "parallelisms/dtensor/ops/reductions.py"
+    return "parallelisms/dtensor/ops/tensor_ops.py"

@@ -1,0 +1,173 @@
+"""Placements (how a global tensor is laid out on one mesh dim) and the pure chunk math behind them.
+
+`Shard(dim)` follows `torch.chunk`: a dim of size `n` split over `k` ranks gives chunks of
+`ceil(n / k)` elements, so uneven shapes leave a short last shard and possibly empty trailing ones.
+Several mesh dims may shard the same tensor dim; they nest in mesh order (the first mesh dim splits
+the whole dim, the next splits each piece). Nothing here touches a process group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+REDUCE_OPS = ("sum", "avg", "min", "max")
+
+
+class Placement:
+    """Base of Shard / Replicate / Partial; mirrors `torch.distributed.tensor.Placement`."""
+
+    __slots__ = ()
+
+    def is_shard(self, dim: int | None = None) -> bool:
+        return False
+
+    def is_replicate(self) -> bool:
+        return False
+
+    def is_partial(self, reduce_op: str | None = None) -> bool:
+        return False
+
+
+@dataclass(frozen=True, slots=True)
+class Shard(Placement):
+    """The tensor is split along `dim` with `torch.chunk` semantics across the mesh dim."""
+
+    dim: int
+
+    def is_shard(self, dim: int | None = None) -> bool:
+        return dim is None or dim == self.dim
+
+    def __str__(self) -> str:
+        return f"S({self.dim})"
+
+    def __repr__(self) -> str:
+        return f"Shard(dim={self.dim})"
+
+    @staticmethod
+    def local_shard_size_and_offset(size: int, num_chunks: int, index: int) -> tuple[int, int]:
+        return chunk_size_and_offset(size, num_chunks, index)
+
+
+@dataclass(frozen=True, slots=True)
+class Replicate(Placement):
+    """Every rank of the mesh dim holds the whole (current) tensor."""
+
+    def is_replicate(self) -> bool:
+        return True
+
+    def __str__(self) -> str:
+        return "R"
+
+    def __repr__(self) -> str:
+        return "Replicate()"
+
+
+@dataclass(frozen=True, slots=True)
+class Partial(Placement):
+    """Every rank holds a partial value; the global tensor is `reduce_op` over the mesh dim."""
+
+    reduce_op: str = "sum"
+
+    def __post_init__(self) -> None:
+        if self.reduce_op not in REDUCE_OPS:
+            raise ValueError(f"Partial(reduce_op={self.reduce_op!r}) is not supported; use one of {REDUCE_OPS}")
+
+    def is_partial(self, reduce_op: str | None = None) -> bool:
+        return reduce_op is None or reduce_op == self.reduce_op
+
+    def __str__(self) -> str:
+        return f"P({self.reduce_op})"
+
+    def __repr__(self) -> str:
+        return f"Partial({self.reduce_op})"
+
+
+# --------------------------------------------------------------------------------------------------
+# pure chunk math
+# --------------------------------------------------------------------------------------------------
+
+
+def chunk_sizes(size: int, num_chunks: int) -> list[int]:
+    """Sizes of `torch.chunk(t, num_chunks)` pieces along a dim of `size`, padded with empty ones."""
+    full = -(-size // num_chunks) if size else 0
+    return [max(0, min(full, size - i * full)) for i in range(num_chunks)]
+
+
+def chunk_size_and_offset(size: int, num_chunks: int, index: int) -> tuple[int, int]:
+    """(length, start) of chunk `index` of `size` split like `torch.chunk` into `num_chunks`."""
+    full = -(-size // num_chunks) if size else 0
+    start = min(size, index * full)
+    return max(0, min(full, size - start)), start
+
+
+def normalize_placements(placements: Sequence[Placement], ndim: int, mesh_ndim: int) -> tuple[Placement, ...]:
+    """Validate placements for a tensor of rank `ndim` on a mesh of `mesh_ndim` dims.
+
+    Negative shard dims are normalized; a wrong count, a shard dim out of range or mixed Partial
+    reduce ops raise ValueError.
+    """
+    placements = tuple(placements)
+    if len(placements) != mesh_ndim:
+        raise ValueError(
+            f"got {len(placements)} placements {list(map(str, placements))} for a {mesh_ndim}-D mesh; "
+            f"give exactly one placement per mesh dim"
+        )
+    out: list[Placement] = []
+    reduce_ops: set[str] = set()
+    for p in placements:
+        if isinstance(p, Shard):
+            dim = p.dim + ndim if p.dim < 0 else p.dim
+            if not 0 <= dim < ndim:
+                raise ValueError(f"Shard(dim={p.dim}) is out of range for a {ndim}-D tensor")
+            out.append(p if dim == p.dim else Shard(dim))
+        elif isinstance(p, Partial):
+            reduce_ops.add(p.reduce_op)
+            out.append(p)
+        elif isinstance(p, Replicate):
+            out.append(p)
+        else:
+            raise TypeError(f"placements must be Shard, Replicate or Partial, got {p!r}")
+    if len(reduce_ops) > 1:
+        raise ValueError(
+            f"placements {[str(p) for p in out]} mix Partial reduce ops {sorted(reduce_ops)}; "
+            f"reduce them to Replicate first, one op per tensor"
+        )
+    return tuple(out)
+
+
+def local_shape_and_offset(
+    global_shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    coordinate: Sequence[int],
+    placements: Sequence[Placement],
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Local shard shape and its global offset for the rank at `coordinate` of the mesh.
+
+    Mesh dims that shard the same tensor dim nest in mesh order. Ranks holding an empty shard get
+    size 0 and an offset equal to the dim's size (as torch does), so offsets stay in range.
+    """
+    local = list(global_shape)
+    offset = [0] * len(local)
+    for mesh_dim, p in enumerate(placements):
+        if isinstance(p, Shard):
+            size, start = chunk_size_and_offset(local[p.dim], mesh_shape[mesh_dim], coordinate[mesh_dim])
+            local[p.dim] = size
+            offset[p.dim] = offset[p.dim] + start if size else global_shape[p.dim]
+    return tuple(local), tuple(offset)
+
+
+def logical_shape_before(
+    global_shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    coordinate: Sequence[int],
+    placements: Sequence[Placement],
+    mesh_dim: int,
+) -> list[int]:
+    """Shape the tensor has on this rank after sharding by mesh dims `< mesh_dim` only.
+
+    This is the 'whole' that mesh dim `mesh_dim` splits: gathering a shard over that mesh dim
+    restores exactly this shape.
+    """
+    local, _ = local_shape_and_offset(global_shape, mesh_shape[:mesh_dim], coordinate[:mesh_dim], placements[:mesh_dim])
+    return list(local)

@@ -1,0 +1,170 @@
+"""Redistribution: plan the per-mesh-dim transitions between two placements, run them, and
+differentiate through them.
+
+One transition changes one mesh dim:
+
+    S(i) -> R     all_gather            P -> R      all_reduce
+    R -> S(i)     local chunk           P -> S(i)   reduce_scatter
+    S(i) -> S(j)  all_to_all            R -> P      local partition (sum: v / n; avg/min/max: v)
+
+Mesh dims that shard the same tensor dim nest in mesh order, so a transition on mesh dim m is only
+legal when no inner mesh dim (> m) still shards that tensor dim. The planner (after torch's)
+first walks mesh dims inner -> outer, un-sharding whatever would break that nesting, then walks
+outer -> inner to reach the targets. Each transition is told the 'logical' shape its mesh dim splits,
+computed from the placements current at that step, which is what uneven gathers need.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from . import collectives
+from .placements import Partial, Placement, Replicate, Shard, chunk_size_and_offset, chunk_sizes, logical_shape_before
+from .spec import DTensorSpec, TensorMeta
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    """Change mesh dim `mesh_dim` from `src` to `dst`; `logical_shape` is what that dim splits."""
+
+    mesh_dim: int
+    src: Placement
+    dst: Placement
+    logical_shape: tuple[int, ...]
+
+
+@lru_cache(maxsize=4096)
+def plan_transitions(src: DTensorSpec, dst_placements: tuple[Placement, ...]) -> tuple[Transition, ...]:
+    """The transitions that take `src` to `dst_placements`, in execution order (cached per rank)."""
+    mesh = src.mesh
+    coordinate = mesh.get_coordinate()
+    assert coordinate is not None, "ranks outside the mesh hold no shard and never redistribute"
+    shape, mesh_shape = list(src.shape), mesh.shape
+    current = list(src.placements)
+    steps: list[Transition] = []
+
+    def move(mesh_dim: int, target: Placement) -> None:
+        logical = logical_shape_before(shape, mesh_shape, coordinate, current, mesh_dim)
+        steps.append(Transition(mesh_dim, current[mesh_dim], target, tuple(logical)))
+        current[mesh_dim] = target
+
+    for mesh_dim in reversed(range(len(current))):
+        target = dst_placements[mesh_dim]
+        if isinstance(target, Shard):
+            now = [i for i in range(mesh_dim) if current[i].is_shard(target.dim)]
+            want = [i for i in range(mesh_dim) if dst_placements[i].is_shard(target.dim)]
+            if now != want:  # outer sharding of this tensor dim changes: un-shard here first
+                target = Replicate()
+        if current[mesh_dim] != target:
+            move(mesh_dim, target)
+    for mesh_dim, target in enumerate(dst_placements):
+        if current[mesh_dim] != target:
+            move(mesh_dim, target)
+    return tuple(steps)
+
+
+def redistribute_local(
+    local: torch.Tensor, src: DTensorSpec, dst_placements: tuple[Placement, ...], *, is_backward: bool = False
+) -> torch.Tensor:
+    """Run the planned transitions on this rank's shard; returns the new local tensor."""
+    if src.placements == dst_placements or src.mesh.get_coordinate() is None:
+        return local
+    mesh = src.mesh
+    coordinate = mesh.get_coordinate()
+    for step in plan_transitions(src, dst_placements):
+        local = run_transition(local, step, mesh, coordinate[step.mesh_dim], is_backward=is_backward)
+    return local
+
+
+def run_transition(local: torch.Tensor, step: Transition, mesh, index: int, *, is_backward: bool) -> torch.Tensor:
+    src, dst, m = step.src, step.dst, step.mesh_dim
+    n = mesh.size(m)
+    if n == 1 and not (isinstance(src, Shard) and isinstance(dst, Shard)):
+        return local  # a group of one: every transition is the identity
+    if isinstance(dst, Replicate):
+        if isinstance(src, Shard):
+            return collectives.all_gather(local, src.dim, mesh.get_group(m), chunk_sizes(step.logical_shape[src.dim], n))
+        if isinstance(src, Partial):
+            return collectives.all_reduce(local, src.reduce_op, mesh.get_group(m), n)
+    elif isinstance(dst, Shard):
+        if isinstance(src, Replicate):
+            size, start = chunk_size_and_offset(local.shape[dst.dim], n, index)
+            return local.narrow(dst.dim, start, size).clone(memory_format=torch.contiguous_format)
+        if isinstance(src, Partial):
+            return collectives.reduce_scatter(local, dst.dim, src.reduce_op, mesh.get_group(m), index)
+        if isinstance(src, Shard):
+            if n == 1:
+                return local
+            return collectives.all_to_all(local, src.dim, dst.dim, mesh.get_group(m), index, list(step.logical_shape))
+    elif isinstance(dst, Partial):
+        if isinstance(src, Replicate):
+            if is_backward:  # a replicated grad stays replicated: partitioning it would only add a reduce
+                return local
+            return local / n if dst.reduce_op == "sum" else local
+        if isinstance(src, Partial):
+            raise ValueError(
+                f"cannot redistribute {src} to {dst} on mesh dim {m}: reduce ops differ; go through Replicate()"
+            )
+    raise ValueError(
+        f"cannot redistribute {src} to {dst} on mesh dim {m}: only a Replicate tensor can become Partial; "
+        f"redistribute to Replicate() first"
+    )
+
+
+def check_target(src: DTensorSpec, dst_placements: tuple[Placement, ...]) -> None:
+    """Reject impossible targets before any communication (every rank raises the same error)."""
+    for m, (s, d) in enumerate(zip(src.placements, dst_placements)):
+        if isinstance(d, Partial) and s != d and not isinstance(s, Replicate):
+            raise ValueError(
+                f"cannot redistribute {s} to {d} on mesh dim {m} (placements "
+                f"{[str(p) for p in src.placements]} -> {[str(p) for p in dst_placements]}): only Replicate "
+                f"can become Partial; redistribute to Replicate() first"
+            )
+
+
+def backward_placements(grad: DTensorSpec, forward_src: tuple[Placement, ...]) -> tuple[Placement, ...]:
+    """Where a gradient goes in backward: the forward source, except that a Partial source takes a
+    Shard or Replicate grad as Replicate (a reduce in backward would be wasted work)."""
+    return tuple(
+        Replicate() if isinstance(f, Partial) and not isinstance(g, Partial) else f
+        for g, f in zip(grad.placements, forward_src)
+    )
+
+
+class Redistribute(torch.autograd.Function):
+    """DTensor -> DTensor with new placements; backward moves the grad back to the old placements."""
+
+    @staticmethod
+    def forward(ctx, input, dst_placements: tuple[Placement, ...], async_op: bool = False):  # type: ignore[override]
+        from .dtensor import DTensor
+
+        src: DTensorSpec = input._spec
+        ctx.src_placements = src.placements
+        local = redistribute_local(input._local_tensor, src, dst_placements)
+        return DTensor(local, src.with_placements(dst_placements), requires_grad=input.requires_grad)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return redistribute_grad(grad, ctx.src_placements), None, None
+
+
+def redistribute_grad(grad, placements: tuple[Placement, ...]):
+    """Move a DTensor gradient to `placements` (normalized as in `backward_placements`)."""
+    from .dtensor import DTensor
+
+    spec: DTensorSpec = grad._spec
+    target = backward_placements(spec, placements)
+    if target == spec.placements:
+        return grad
+    local = redistribute_local(grad._local_tensor, spec, target, is_backward=True)
+    return DTensor(local, spec.with_placements(target))
+
+
+def spec_with_meta(spec: DTensorSpec, local: torch.Tensor) -> DTensorSpec:
+    """`spec` with its dtype following `local` (grads may arrive in another dtype)."""
+    if local.dtype == spec.dtype:
+        return spec
+    return DTensorSpec(spec.mesh, spec.placements, TensorMeta(spec.shape, spec.stride, local.dtype))

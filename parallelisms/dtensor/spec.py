@@ -1,0 +1,94 @@
+"""TensorMeta and DTensorSpec: the global metadata of a DTensor, hashable so it can key caches."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from .placements import Partial, Placement, Shard, local_shape_and_offset
+
+if TYPE_CHECKING:
+    from .device_mesh import DeviceMesh
+
+
+@dataclass(frozen=True, slots=True)
+class TensorMeta:
+    """Global shape, stride and dtype of the logical tensor."""
+
+    shape: torch.Size
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class DTensorSpec:
+    """Where a global tensor lives: mesh, one placement per mesh dim, and its global metadata.
+
+    Equality and hash cover (mesh, placements, meta); the hash is computed once because specs key
+    the sharding-propagation cache on every op.
+    """
+
+    mesh: DeviceMesh
+    placements: tuple[Placement, ...]
+    tensor_meta: TensorMeta
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash((self.mesh, self.placements, self.tensor_meta)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (
+            isinstance(other, DTensorSpec)
+            and self._hash == other._hash
+            and self.mesh == other.mesh
+            and self.placements == other.placements
+            and self.tensor_meta == other.tensor_meta
+        )
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.tensor_meta.shape
+
+    @property
+    def stride(self) -> tuple[int, ...]:
+        return self.tensor_meta.stride
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tensor_meta.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.tensor_meta.shape)
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        return self.mesh
+
+    def with_placements(self, placements: tuple[Placement, ...]) -> DTensorSpec:
+        return DTensorSpec(self.mesh, placements, self.tensor_meta)
+
+    def is_replicated(self) -> bool:
+        return all(p.is_replicate() for p in self.placements)
+
+    def has_partial(self) -> bool:
+        return any(isinstance(p, Partial) for p in self.placements)
+
+    def shard_mesh_dims(self, tensor_dim: int) -> list[int]:
+        """Mesh dims that shard `tensor_dim`, in nesting order."""
+        return [i for i, p in enumerate(self.placements) if isinstance(p, Shard) and p.dim == tensor_dim]
+
+    def local_shape_and_offset(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """This rank's shard shape and global offset (empty shape/offset off the mesh)."""
+        coordinate = self.mesh.get_coordinate()
+        if coordinate is None:
+            return (0,) * self.ndim, (0,) * self.ndim
+        return local_shape_and_offset(self.shape, self.mesh.shape, coordinate, self.placements)
+
+    def __str__(self) -> str:
+        return f"Spec({'|'.join(map(str, self.placements))} on {tuple(self.shape)})"
