@@ -1,0 +1,3 @@
+"""Sharding rules: attention family (to be written)."""
+
+from __future__ import annotations

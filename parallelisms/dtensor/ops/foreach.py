@@ -1,0 +1,3 @@
+"""Sharding rules: foreach family (to be written)."""
+
+from __future__ import annotations

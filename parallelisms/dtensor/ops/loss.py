@@ -1,0 +1,3 @@
+"""Sharding rules: loss family (to be written)."""
+
+from __future__ import annotations
