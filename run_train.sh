@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Launch training with torchrun. Every variable has a default, so `./run_train.sh` alone trains the
+# debug model: on all local GPUs, or on 2 CPU ranks (gloo) when there is none.
+#   NGPU           processes per node (default: GPU count, or 2 without GPUs)
+#   CONFIG_FILE    TOML job config (default: ./configs/debug_model.toml)
+#   LOG_RANK       ranks whose output is shown, e.g. 0 or 0,1 (default: 0)
+#   NNODES, NODE_RANK, RDZV_ENDPOINT   multi-node rendezvous (host:port of node 0)
+# Extra arguments override the config: ./run_train.sh --training.steps 20
+set -euo pipefail
+cd "$(dirname "$0")"
+NGPU=${NGPU:-$(python -c "import torch; print(torch.cuda.device_count() or 2)")}
+CONFIG_FILE=${CONFIG_FILE:-"./configs/debug_model.toml"}
+LOG_RANK=${LOG_RANK:-0}
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+if [ "$NNODES" -eq 1 ]; then
+  RDZV=(--standalone)
+else
+  RDZV=(--rdzv_backend c10d --rdzv_endpoint "${RDZV_ENDPOINT:?set RDZV_ENDPOINT=host:port of node 0}" --node_rank "$NODE_RANK")
+fi
+export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo}
+exec torchrun --nproc_per_node="$NGPU" --nnodes="$NNODES" "${RDZV[@]}" \
+  --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
+  -m trainer.train --job.config_file "$CONFIG_FILE" "$@"
