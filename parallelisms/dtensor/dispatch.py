@@ -22,6 +22,7 @@ from .placements import Partial, Placement, Replicate, Shard
 from .redistribute import plan_transitions, redistribute_local
 from .spec import DTensorSpec, TensorMeta
 from .ops import RULES, OpCall, Sharding, rule_file_for
+from .ops.registry import LOCAL_SHAPE, LocalImpl
 from .ops import random as random_ops
 
 logger = logging.getLogger(__name__)
@@ -36,6 +37,11 @@ class Plan:
     output_specs: tuple[DTensorSpec | None, ...]  # per tensor output leaf
     redistributes: bool
     random: bool
+    returns: str  # "new" (wrap outputs), "self" (in-place: args[0]) or "out" (kwargs["out"])
+    local_op: OpOverload | None = None  # run this instead of the op on the local tensors
+    local_args: tuple | None = None  # positional args of the local call; a DTensorSpec: that arg's local
+    local_impl: LocalImpl | None = None  # runs instead of the local op (Sharding.local_impl)
+    input_specs: tuple[DTensorSpec, ...] = ()  # input specs after redistribution, for local_impl
 
 
 PLANS: dict[tuple, Plan] = {}
@@ -62,11 +68,18 @@ def dispatch(op: OpOverload, args: tuple, kwargs: dict | None) -> Any:
             PLANS[key] = plan
     if plan.redistributes:
         local_args, local_kwargs = _redistribute_inputs(op, args, kwargs, dtensors, plan)
+    local_op = op
+    if plan.local_op is not None or plan.local_args is not None:  # e.g. view sizes made local
+        local_op, local_args = _local_call(op, plan, local_args)
     if plan.random:
-        out = random_ops.run_seeded(op, local_args, local_kwargs, plan.output_specs)
+        out = random_ops.run_seeded(local_op, local_args, local_kwargs, plan.output_specs)
+    elif plan.local_impl is not None:
+        out = plan.local_impl(local_args, local_kwargs, plan.input_specs, plan.output_specs)
     else:
-        out = op(*local_args, **local_kwargs)
-    return _wrap(op, out, args, kwargs, plan.output_specs)
+        out = local_op(*local_args, **local_kwargs)
+    if plan.returns == "new":
+        return _wrap(out, plan.output_specs)
+    return args[0] if plan.returns == "self" else kwargs["out"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -229,7 +242,28 @@ def _finish_plan(call: OpCall, choice: Sharding) -> Plan:
     )
     _check_mutation(op, call, specs, choice, output_specs)
     redistributes = any(t is not None and t != s.placements for s, t in zip(specs, choice.inputs))
-    return Plan(tuple(choice.inputs), output_specs, redistributes, random_ops.is_random(op))
+    return Plan(
+        tuple(choice.inputs), output_specs, redistributes, random_ops.is_random(op), _returns(op, call),
+        choice.local_op, _resolve_local_args(choice.local_args, output_specs),
+        choice.local_impl, tuple(input_specs) if choice.local_impl is not None else (),
+    )
+
+
+def _resolve_local_args(local_args: tuple | None, output_specs: tuple) -> tuple | None:
+    """Sharding.local_args with LOCAL_SHAPE replaced by this rank's shape of output 0 (per-rank plan)."""
+    if local_args is None:
+        return None
+    if not any(a is LOCAL_SHAPE for a in local_args):
+        return tuple(local_args)
+    local_shape = list(output_specs[0].local_shape_and_offset()[0])
+    return tuple(local_shape if a is LOCAL_SHAPE else a for a in local_args)
+
+
+def _local_call(op: OpOverload, plan: Plan, local_args: list) -> tuple[OpOverload, list]:
+    """The op and positional args to run on this rank's local tensors."""
+    if plan.local_args is not None:
+        local_args = [local_args[i] if isinstance(a, DTensorSpec) else a for i, a in enumerate(plan.local_args)]
+    return plan.local_op or op, local_args
 
 
 def _output_metas(call: OpCall, input_specs: list[DTensorSpec]) -> list[TensorMeta | None]:
@@ -322,11 +356,8 @@ def replicate_fallback() -> Iterator[None]:
 # --------------------------------------------------------------------------------------------------
 
 
-def _wrap(op: OpOverload, out: Any, args: tuple, kwargs: dict, output_specs: tuple) -> Any:
+def _wrap(out: Any, output_specs: tuple) -> Any:
     if isinstance(out, torch.Tensor):
-        mutated = _mutated_arg(op, args, kwargs)
-        if mutated is not None:
-            return mutated
         return DTensor(out, output_specs[0])
     if isinstance(out, (tuple, list)):
         wrapped = [
@@ -337,13 +368,14 @@ def _wrap(op: OpOverload, out: Any, args: tuple, kwargs: dict, output_specs: tup
     return out
 
 
-def _mutated_arg(op: OpOverload, args: tuple, kwargs: dict) -> DTensor | None:
-    """The DTensor an in-place (`add_`) or out= op returns, else None."""
-    if not op._schema.is_mutable:
-        return None
-    if "out" in kwargs:
-        return kwargs["out"]
-    first = op._schema.arguments[0]
-    if first.alias_info is not None and first.alias_info.is_write and isinstance(args[0], DTensor):
-        return args[0]
-    return None
+def _returns(op: OpOverload, call: OpCall) -> str:
+    """What the op hands back: fresh outputs, its mutated self (`add_`), or its out= tensor."""
+    schema = op._schema
+    if not schema.is_mutable or not schema.returns:
+        return "new"
+    if "out" in call.kwargs and isinstance(call.kwargs["out"], DTensorSpec):
+        return "out"
+    first = schema.arguments[0]
+    if first.alias_info is not None and first.alias_info.is_write and isinstance(call.args[0], DTensorSpec):
+        return "self"
+    return "new"
