@@ -1,0 +1,27 @@
+"""Tensor and sequence parallelism on meshtrain's DTensor; mirrors `torch.distributed.tensor.parallel`."""
+
+from .api import parallelize_module
+from .input_reshard import input_reshard
+from .loss import loss_parallel
+from .style import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+__all__ = [
+    "ColwiseParallel",
+    "ParallelStyle",
+    "PrepareModuleInput",
+    "PrepareModuleInputOutput",
+    "PrepareModuleOutput",
+    "RowwiseParallel",
+    "SequenceParallel",
+    "input_reshard",
+    "loss_parallel",
+    "parallelize_module",
+]
