@@ -94,7 +94,9 @@ def _unwrap_one(op: OpOverload, a: Any, dtensors: list[DTensor]) -> tuple[Any, A
     if isinstance(a, torch.Tensor):
         if a.ndim == 0:  # a plain 0-d tensor acts as a replicated scalar
             return ("scalar_tensor", a.dtype, a.device.type), a
-        raise TypeError(
+        # ValueError, not TypeError: Tensor.__add__ & co. turn a TypeError into NotImplemented,
+        # which would replace this message with Python's generic one
+        raise ValueError(
             f"{op}: got a plain torch.Tensor of shape {tuple(a.shape)} mixed with DTensors; convert it with "
             f"distribute_tensor(t, mesh, placements) or DTensor.from_local(t, mesh, placements) first"
         )
@@ -202,17 +204,24 @@ def _sharded_outputs(s: Sharding) -> int:
 
 
 def redistribute_cost(specs: list[DTensorSpec], targets: tuple) -> float:
-    """Bytes a rank sends to move every input to its target (ring algorithms' volumes)."""
+    """Bytes a rank sends to move every input to its target (ring algorithms' volumes).
+
+    Volumes assume even shards (global numel / the mesh dims sharding it at each step) rather than
+    this rank's uneven `logical_shape`: every rank must compute the same cost and so pick the same
+    candidate, or their collectives would not match.
+    """
     total = 0.0
     for spec, target in zip(specs, targets):
         if target is None or target == spec.placements:
             continue
         elsize = spec.dtype.itemsize
+        current = list(spec.placements)
         for t in plan_transitions(spec, target):
             n = spec.mesh.size(t.mesh_dim)
-            numel = 1
-            for s in t.logical_shape:
-                numel *= s
+            numel = spec.shape.numel()
+            for m in range(t.mesh_dim):
+                numel /= spec.mesh.size(m) if isinstance(current[m], Shard) else 1
+            current[t.mesh_dim] = t.dst
             volume = numel * elsize * (n - 1) / n
             if isinstance(t.dst, Replicate) and isinstance(t.src, Partial):
                 total += 2 * volume  # all_reduce = reduce_scatter + all_gather
