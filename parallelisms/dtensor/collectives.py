@@ -3,7 +3,8 @@
 Every function works on local tensors of one mesh dim's group and follows `torch.chunk` sharding:
 uneven pieces are padded to the largest chunk for the fixed-size collectives (all_gather,
 reduce_scatter, scatter) and sent unpadded where the collective takes split sizes (all_to_all).
-Gloo has no AVG reduction, so "avg" is a SUM followed by a division on every backend.
+Gloo has no AVG reduction, so "avg" is a SUM followed by a division on every backend; a p-norm
+partial ("norm2") is a SUM of |x|**p followed by the p-th root.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
-from .placements import chunk_size_and_offset, chunk_sizes
+from .placements import chunk_size_and_offset, chunk_sizes, norm_order
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
 
@@ -29,15 +30,31 @@ def _pad_dim(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     return F.pad(t, pad)
 
 
-def _finish_avg(t: torch.Tensor, reduce_op: str, group_size: int) -> torch.Tensor:
+def _dist_op(reduce_op: str) -> dist.ReduceOp:
+    return _REDUCE_OPS["sum"] if norm_order(reduce_op) is not None else _REDUCE_OPS[reduce_op]
+
+
+def _start_reduce(t: torch.Tensor, reduce_op: str) -> torch.Tensor:
+    """A new contiguous tensor to reduce: p-norm partials travel as |x|**p (summed, then rooted)."""
+    p = norm_order(reduce_op)
+    if p is None:
+        return t.clone(memory_format=torch.contiguous_format)
+    return (t * t if p == 2 else t.abs().pow(p)).contiguous()
+
+
+def _finish_reduce(t: torch.Tensor, reduce_op: str, group_size: int) -> torch.Tensor:
+    """avg: the sum / n; norm<p>: the p-th root of the summed |x|**p."""
+    p = norm_order(reduce_op)
+    if p is not None:
+        return t.sqrt_() if p == 2 else t.pow_(1.0 / p)
     return t.div_(group_size) if reduce_op == "avg" else t
 
 
 def all_reduce(local: torch.Tensor, reduce_op: str, group: ProcessGroup, group_size: int) -> torch.Tensor:
     """Reduce `local` over the group into a new tensor (the input is left untouched)."""
-    out = local.clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(out, op=_REDUCE_OPS[reduce_op], group=group)
-    return _finish_avg(out, reduce_op, group_size)
+    out = _start_reduce(local, reduce_op)
+    dist.all_reduce(out, op=_dist_op(reduce_op), group=group)
+    return _finish_reduce(out, reduce_op, group_size)
 
 
 def all_gather(local: torch.Tensor, dim: int, group: ProcessGroup, sizes: list[int]) -> torch.Tensor:
@@ -64,13 +81,15 @@ def reduce_scatter(local: torch.Tensor, dim: int, reduce_op: str, group: Process
     my_size, _ = chunk_size_and_offset(size, n, index)
     if full == 0:
         return all_reduce(local, reduce_op, group, n)  # empty along dim: only the shape matters
+    if norm_order(reduce_op) is not None:
+        local = _start_reduce(local, reduce_op)  # |x|**p; the zero padding below adds nothing to it
     padded = _pad_dim(local, dim, full * n)
     stacked = padded if dim == 0 else torch.cat(padded.chunk(n, dim=dim), dim=0)
     stacked = stacked.contiguous()
     out = stacked.new_empty((stacked.shape[0] // n, *stacked.shape[1:]))
-    dist.reduce_scatter_single(out, stacked, op=_REDUCE_OPS[reduce_op], group=group)
-    out = _finish_avg(out, reduce_op, n)  # already shaped like one chunk of `padded`
-    return out.narrow(dim, 0, my_size) if my_size != full else out
+    dist.reduce_scatter_single(out, stacked, op=_dist_op(reduce_op), group=group)
+    out = _finish_reduce(out, reduce_op, n)  # already shaped like one chunk of `padded`
+    return out.narrow(dim, 0, my_size).contiguous() if my_size != full else out  # torch's shards are contiguous
 
 
 def all_to_all(
@@ -127,7 +146,7 @@ def scatter_chunks(
         if index == group_src:
             chunks = [_pad_dim(c, dim, full).contiguous() for c in tensor.split(sizes, dim=dim)]
         dist.scatter(out, chunks, group=group, group_src=group_src)
-    return out.narrow(dim, 0, sizes[index]) if sizes[index] != full else out
+    return out.narrow(dim, 0, sizes[index]).contiguous() if sizes[index] != full else out
 
 
 def all_gather_object(obj: object, group: ProcessGroup) -> list[object]:

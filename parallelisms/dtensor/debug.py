@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 import torch.distributed._functional_collectives  # noqa: F401  (registers the c10d_functional keys)
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 _py = torch.ops.c10d_functional
@@ -61,6 +62,16 @@ def _nbytes(value: Any) -> int:
     return 0
 
 
+_PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__  # what tensors without a subclass dispatch have
+
+
+def _defers_to_subclass(t: type) -> bool:
+    """A wrapper subclass (our DTensor, torch's) whose ops decompose into collectives on inner
+    tensors. FakeTensor is not one: it defers to active modes itself (torch's DTensor runs its
+    sharding propagation on fake tensors), so deferring to it would leave the op unhandled."""
+    return getattr(t, "__torch_dispatch__", _PLAIN_DISPATCH) is not _PLAIN_DISPATCH and not issubclass(t, FakeTensor)
+
+
 class CommDebugMode(TorchDispatchMode):
     """Context manager counting collectives by kind, with the bytes each rank sent."""
 
@@ -85,6 +96,11 @@ class CommDebugMode(TorchDispatchMode):
         return dict(self.comm_bytes)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        if any(_defers_to_subclass(t) for t in types):
+            # A tensor-subclass op (our DTensor, torch's, ...): let the subclass run with this mode still active, so
+            # the collectives it issues on local tensors come back here and are counted. Handling
+            # it here would pop the mode and hide them (torch's CommDebugMode does the same).
+            return NotImplemented
         entry = _COLLECTIVES.get(func._overloadpacket)
         if entry is not None:
             key, payload = entry

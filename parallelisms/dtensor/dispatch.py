@@ -203,12 +203,16 @@ def _sharded_outputs(s: Sharding) -> int:
     return sum(isinstance(p, Shard) for out in s.outputs if out for p in out)
 
 
-def redistribute_cost(specs: list[DTensorSpec], targets: tuple) -> float:
-    """Bytes a rank sends to move every input to its target (ring algorithms' volumes).
+COLLECTIVE_COST_BYTES = 1024  # a collective's latency, in bytes: among equal volumes, fewer calls win
 
-    Volumes assume even shards (global numel / the mesh dims sharding it at each step) rather than
-    this rank's uneven `logical_shape`: every rank must compute the same cost and so pick the same
-    candidate, or their collectives would not match.
+
+def redistribute_cost(specs: list[DTensorSpec], targets: tuple) -> float:
+    """Bytes a rank sends to move every input to its target (ring volumes), plus a fixed cost per
+    collective.
+
+    Volumes assume even shards (global numel over the mesh dims sharding the tensor at each step)
+    rather than this rank's uneven shard: every rank must compute the same cost and so pick the
+    same candidate, or their collectives would not match.
     """
     total = 0.0
     for spec, target in zip(specs, targets):
@@ -218,17 +222,20 @@ def redistribute_cost(specs: list[DTensorSpec], targets: tuple) -> float:
         current = list(spec.placements)
         for t in plan_transitions(spec, target):
             n = spec.mesh.size(t.mesh_dim)
-            numel = spec.shape.numel()
-            for m in range(t.mesh_dim):
-                numel /= spec.mesh.size(m) if isinstance(current[m], Shard) else 1
+            numel = spec.shape.numel()  # the tensor this mesh dim's group works on: sharded by the others
+            for m, p in enumerate(current):
+                if m != t.mesh_dim and isinstance(p, Shard):
+                    numel /= spec.mesh.size(m)
             current[t.mesh_dim] = t.dst
             volume = numel * elsize * (n - 1) / n
+            if isinstance(t.src, Replicate):
+                total += 1e-3 * numel  # local chunk / partition: no traffic, a little copying
+                continue
+            total += COLLECTIVE_COST_BYTES
             if isinstance(t.dst, Replicate) and isinstance(t.src, Partial):
                 total += 2 * volume  # all_reduce = reduce_scatter + all_gather
             elif isinstance(t.src, Shard) and isinstance(t.dst, Shard):
                 total += volume / n
-            elif isinstance(t.src, Replicate):
-                total += 1e-3 * numel  # local chunk / partition: no traffic, a little copying
             else:
                 total += volume
     return total
@@ -293,6 +300,8 @@ def _output_metas(call: OpCall, input_specs: list[DTensorSpec]) -> list[TensorMe
 
     meta_args = [to_meta(a) for a in call.args]
     meta_kwargs = {k: to_meta(v) for k, v in call.kwargs.items()}
+    if meta_kwargs.get("device") is not None:  # `_to_copy(..., device=cpu)` would copy out of meta
+        meta_kwargs["device"] = "meta"
     out = call.op(*meta_args, **meta_kwargs)
     leaves = out if isinstance(out, (tuple, list)) else [out]
     return [

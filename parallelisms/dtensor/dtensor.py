@@ -9,15 +9,15 @@ global tensor. Every aten op on it goes through `dispatch.dispatch`.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
 
 from . import collectives
 from .device_mesh import DeviceMesh
-from .placements import Partial, Placement, Replicate, Shard, normalize_placements
-from .redistribute import Redistribute, check_target, redistribute_grad, redistribute_local
+from .placements import Partial, Placement, Replicate, Shard, normalize_placements, partition_divisor
+from .redistribute import Redistribute, check_target, redistribute_local
 from .spec import DTensorSpec, TensorMeta
 
 
@@ -83,12 +83,15 @@ class DTensor(torch.Tensor):
         run_check: bool = False,
         shape: torch.Size | Sequence[int] | None = None,
         stride: Sequence[int] | None = None,
+        grad_placements: Sequence[Placement] | None = None,
     ) -> DTensor:
         """Wrap every rank's `local_tensor` as the shards of one global tensor.
 
         Without `shape`, shards are assumed even (global size = local size * mesh dim size); pass
         `shape` (and `stride`) for uneven shards. `run_check=True` verifies the local shapes against
         the global shape and broadcasts replicated data from the first rank of each mesh dim.
+        In backward the grad is moved to `grad_placements` (default: ours with Partial -> Replicate,
+        as torch does) and this rank's shard of it is returned.
         """
         mesh = device_mesh or _require_mesh("from_local")
         placements = normalize_placements(placements or [Replicate()] * mesh.ndim, local_tensor.ndim, mesh.ndim)
@@ -96,16 +99,16 @@ class DTensor(torch.Tensor):
         if run_check:
             local_tensor = _check_and_sync_local(local_tensor, spec)
         if torch.is_grad_enabled() and local_tensor.requires_grad:
-            return _FromLocal.apply(local_tensor, spec)
+            grads = _grad_placements(grad_placements, placements, local_tensor.ndim, mesh.ndim)
+            return _FromLocal.apply(local_tensor, spec, grads)
         return DTensor(local_tensor, spec, requires_grad=local_tensor.requires_grad)
 
     def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
-        """This rank's shard. In backward the grad is taken to have `grad_placements` (default: ours)."""
+        """This rank's shard. In backward the local grad is taken to have `grad_placements`
+        (default: ours with Partial -> Replicate, as torch does)."""
         if not (torch.is_grad_enabled() and self.requires_grad):
             return self._local_tensor
-        grads = None
-        if grad_placements is not None:
-            grads = normalize_placements(grad_placements, self.ndim, self._spec.mesh.ndim)
+        grads = _grad_placements(grad_placements, self._spec.placements, self.ndim, self._spec.mesh.ndim)
         return _ToLocal.apply(self, grads)
 
     def redistribute(
@@ -117,6 +120,8 @@ class DTensor(torch.Tensor):
     ) -> DTensor:
         """Same global tensor with new placements (differentiable).
 
+        The same placements return `self` unless autograd records the call: then, as in torch, the
+        result's grad is moved back to our placements (e.g. a Partial grad is reduced).
         `async_op` is accepted for API parity; collectives complete before this returns.
         """
         spec = self._spec
@@ -128,10 +133,11 @@ class DTensor(torch.Tensor):
         if placements is None:
             raise ValueError("redistribute() needs placements, e.g. [Replicate()] * mesh.ndim")
         target = normalize_placements(placements, self.ndim, spec.mesh.ndim)
-        if target == spec.placements:
+        needs_grad = torch.is_grad_enabled() and self.requires_grad
+        if target == spec.placements and not needs_grad:
             return self
         check_target(spec, target)
-        if torch.is_grad_enabled() and self.requires_grad:
+        if needs_grad:  # even to the same placements: backward moves the grad back to ours (as torch)
             return Redistribute.apply(self, target, async_op)
         return DTensor(redistribute_local(self._local_tensor, spec, target), spec.with_placements(target))
 
@@ -149,27 +155,37 @@ def _dispatch(func, args, kwargs):
     return dispatch(func, args, kwargs)
 
 
+def _grad_placements(
+    grad_placements: Sequence[Placement] | None, forward: tuple[Placement, ...], ndim: int, mesh_ndim: int
+) -> tuple[Placement, ...]:
+    """The placements a local<->DTensor boundary's grad takes: the ones given, else the forward ones
+    with Partial -> Replicate (torch 2.13's guarantee: the grad of a partial value is replicated)."""
+    if grad_placements is not None:
+        return normalize_placements(grad_placements, ndim, mesh_ndim)
+    return tuple(Replicate() if isinstance(p, Partial) else p for p in forward)
+
+
 class _FromLocal(torch.autograd.Function):
-    """local -> DTensor; backward hands each rank its shard of the grad in the forward placements."""
+    """local -> DTensor; backward hands each rank its shard of the grad in `grad_placements`."""
 
     @staticmethod
-    def forward(ctx, local: torch.Tensor, spec: DTensorSpec):  # type: ignore[override]
-        ctx.placements = spec.placements
+    def forward(ctx, local: torch.Tensor, spec: DTensorSpec, grad_placements: tuple[Placement, ...]):  # type: ignore[override]
+        ctx.grad_placements = grad_placements
         return DTensor(local.view_as(local), spec, requires_grad=local.requires_grad)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         if not isinstance(grad, DTensor):
             raise TypeError(f"from_local backward expects a DTensor grad, got {type(grad).__name__}")
-        local = redistribute_grad(grad, ctx.placements)._local_tensor
-        return local.view_as(local), None
+        local = redistribute_local(grad._local_tensor, grad._spec, ctx.grad_placements)
+        return local.view_as(local), None, None
 
 
 class _ToLocal(torch.autograd.Function):
-    """DTensor -> local; backward wraps the local grad with `grad_placements` (default: ours)."""
+    """DTensor -> local; backward wraps the local grad with `grad_placements`."""
 
     @staticmethod
-    def forward(ctx, input: DTensor, grad_placements: tuple[Placement, ...] | None):  # type: ignore[override]
+    def forward(ctx, input: DTensor, grad_placements: tuple[Placement, ...]):  # type: ignore[override]
         ctx.spec = input._spec
         ctx.grad_placements = grad_placements
         local = input._local_tensor
@@ -178,9 +194,8 @@ class _ToLocal(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         spec: DTensorSpec = ctx.spec
-        placements = ctx.grad_placements or spec.placements
         meta = TensorMeta(spec.shape, spec.stride, grad.dtype)
-        return DTensor(grad, DTensorSpec(spec.mesh, placements, meta)), None
+        return DTensor(grad, DTensorSpec(spec.mesh, ctx.grad_placements, meta)), None
 
 
 def _require_mesh(what: str) -> DeviceMesh:
@@ -223,24 +238,29 @@ def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
 def _check_and_sync_local(local: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
     """from_local(run_check=True): every rank checks every rank's shard, then replicas are synced.
 
-    All ranks see the same gathered facts, so a mismatch raises the same error everywhere instead
-    of leaving some ranks hanging in the next collective.
+    Facts are gathered along each mesh dim in turn (gathering what the previous dims gathered), so
+    every rank ends up with every mesh rank's facts and raises the same error instead of leaving
+    some ranks hanging in the next collective.
     """
     mesh = spec.mesh
     expected, _ = spec.local_shape_and_offset()
-    mine = (mesh.get_rank(), tuple(local.shape), str(local.dtype), tuple(spec.shape), expected)
+    facts = [(mesh.get_rank(), tuple(local.shape), str(local.dtype), tuple(spec.shape), expected)]
     for m in range(mesh.ndim):
-        for rank, local_shape, dtype, global_shape, want in collectives.all_gather_object(mine, mesh.get_group(m)):
-            if dtype != mine[2] or global_shape != mine[3]:
-                raise ValueError(
-                    f"from_local: rank {rank} has dtype {dtype} and global shape {global_shape}, rank "
-                    f"{mine[0]} has {mine[2]} and {mine[3]}; uneven shards need shape=/stride= of the global tensor"
-                )
-            if local_shape != want:
-                raise ValueError(
-                    f"from_local: rank {rank} holds a shard of shape {local_shape} but placements "
-                    f"{[str(p) for p in spec.placements]} of global shape {global_shape} give it {want}"
-                )
+        gathered = collectives.all_gather_object(facts, mesh.get_group(m))
+        facts = [f for part in gathered for f in cast(list, part)]
+    facts.sort()
+    first = facts[0]
+    for rank, local_shape, dtype, global_shape, want in facts:
+        if dtype != first[2] or global_shape != first[3]:
+            raise ValueError(
+                f"from_local: rank {rank} has dtype {dtype} and global shape {global_shape}, rank "
+                f"{first[0]} has {first[2]} and {first[3]}; uneven shards need shape=/stride= of the global tensor"
+            )
+        if local_shape != want:
+            raise ValueError(
+                f"from_local: rank {rank} holds a shard of shape {local_shape} but placements "
+                f"{[str(p) for p in spec.placements]} of global shape {global_shape} give it {want}"
+            )
     for m, p in enumerate(spec.placements):
         if isinstance(p, Replicate):
             local = collectives.broadcast(local.contiguous(), mesh.get_group(m), 0)
@@ -295,8 +315,8 @@ def _distribute_on_mesh_dim(
         return collectives.scatter_chunks(local, p.dim, mesh.get_group(m), index, src)
     if src is not None and n > 1:
         local = collectives.broadcast(local.contiguous().clone(), mesh.get_group(m), src)
-    if isinstance(p, Partial) and p.reduce_op == "sum":
-        local = local / n
+    if isinstance(p, Partial) and partition_divisor(p.reduce_op, n) != 1:
+        local = local / partition_divisor(p.reduce_op, n)
     return local
 
 

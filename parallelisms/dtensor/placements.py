@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-REDUCE_OPS = ("sum", "avg", "min", "max")
+REDUCE_OPS = ("sum", "avg", "min", "max")  # plus "norm<p>" (p-norm partials, see norm_order)
 
 
 class Placement:
@@ -70,8 +70,11 @@ class Partial(Placement):
     reduce_op: str = "sum"
 
     def __post_init__(self) -> None:
-        if self.reduce_op not in REDUCE_OPS:
-            raise ValueError(f"Partial(reduce_op={self.reduce_op!r}) is not supported; use one of {REDUCE_OPS}")
+        if self.reduce_op not in REDUCE_OPS and norm_order(self.reduce_op) is None:
+            raise ValueError(
+                f"Partial(reduce_op={self.reduce_op!r}) is not supported; use one of {REDUCE_OPS} "
+                f"or 'norm<p>' (e.g. 'norm2') for a finite p > 0"
+            )
 
     def is_partial(self, reduce_op: str | None = None) -> bool:
         return reduce_op is None or reduce_op == self.reduce_op
@@ -81,6 +84,34 @@ class Partial(Placement):
 
     def __repr__(self) -> str:
         return f"Partial({self.reduce_op})"
+
+
+def norm_order(reduce_op: str) -> float | None:
+    """p of a p-norm Partial: "norm2" -> 2.0; None for every other reduce op.
+
+    P(norm<p>) holds per-rank p-norms of disjoint pieces; the global value is (sum_r x_r**p)**(1/p),
+    reduced as all_reduce(sum) of x**p followed by the p-th root (torch's _NormPartial).
+    """
+    if not reduce_op.startswith("norm"):
+        return None
+    try:
+        p = float(reduce_op[len("norm") :])
+    except ValueError:
+        return None
+    return p if 0 < p < float("inf") else None
+
+
+def norm_reduce_op(p: float) -> str:
+    """The reduce op name of a p-norm Partial: 2 -> "norm2", 1.5 -> "norm1.5"."""
+    return f"norm{float(p):g}"
+
+
+def partition_divisor(reduce_op: str, num_chunks: int) -> float:
+    """R -> P: each rank keeps value / divisor so that reducing the pieces gives the value back."""
+    if reduce_op == "sum":
+        return float(num_chunks)
+    p = norm_order(reduce_op)
+    return float(num_chunks) ** (1.0 / p) if p is not None else 1.0  # avg/min/max of n copies is the copy
 
 
 # --------------------------------------------------------------------------------------------------

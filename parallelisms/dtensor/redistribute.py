@@ -5,24 +5,38 @@ One transition changes one mesh dim:
 
     S(i) -> R     all_gather            P -> R      all_reduce
     R -> S(i)     local chunk           P -> S(i)   reduce_scatter
-    S(i) -> S(j)  all_to_all            R -> P      local partition (sum: v / n; avg/min/max: v)
+    S(i) -> S(j)  all_to_all            R -> P      local partition (sum: v / n; norm<p>: v / n**(1/p);
+                                                    avg/min/max: v)
 
 Mesh dims that shard the same tensor dim nest in mesh order, so a transition on mesh dim m is only
 legal when no inner mesh dim (> m) still shards that tensor dim. The planner (after torch's)
 first walks mesh dims inner -> outer, un-sharding whatever would break that nesting, then walks
-outer -> inner to reach the targets. Each transition is told the 'logical' shape its mesh dim splits,
+outer -> inner to reach the targets; a source that shards nothing may skip the first walk when
+that moves fewer bytes. Each transition is told the 'logical' shape its mesh dim splits,
 computed from the placements current at that step, which is what uneven gathers need.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
 
 from . import collectives
-from .placements import Partial, Placement, Replicate, Shard, chunk_size_and_offset, chunk_sizes, logical_shape_before
+from .placements import (
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    chunk_size_and_offset,
+    chunk_sizes,
+    local_shape_and_offset,
+    logical_shape_before,
+    partition_divisor,
+)
 from .spec import DTensorSpec, TensorMeta
 
 
@@ -38,11 +52,26 @@ class Transition:
 
 @lru_cache(maxsize=4096)
 def plan_transitions(src: DTensorSpec, dst_placements: tuple[Placement, ...]) -> tuple[Transition, ...]:
-    """The transitions that take `src` to `dst_placements`, in execution order (cached per rank)."""
-    mesh = src.mesh
-    coordinate = mesh.get_coordinate()
+    """The transitions that take `src` to `dst_placements`, in execution order (cached per rank).
+
+    The un-nesting walk (inner -> outer, then outer -> inner) is always correct. When the source
+    shards nothing there is no nesting to undo and a plain outer -> inner walk is correct too; it
+    is cheaper when an outer mesh dim chunks locally or reduce-scatters before an inner one
+    reduces (e.g. (R, P) -> (S(0), R)), so the cheaper of the two plans is kept. The estimate is
+    pure shape math over every mesh coordinate, so every rank picks the same plan.
+    """
+    coordinate = src.mesh.get_coordinate()
     assert coordinate is not None, "ranks outside the mesh hold no shard and never redistribute"
-    shape, mesh_shape = list(src.shape), mesh.shape
+    plans = [_walk(src, dst_placements, coordinate, unnest_first=True)]
+    if not any(isinstance(p, Shard) for p in src.placements):
+        plans.append(_walk(src, dst_placements, coordinate, unnest_first=False))
+    return min(plans, key=lambda steps: _estimated_cost(src, steps))
+
+
+def _walk(
+    src: DTensorSpec, dst_placements: tuple[Placement, ...], coordinate: list[int], *, unnest_first: bool
+) -> tuple[Transition, ...]:
+    shape, mesh_shape = list(src.shape), src.mesh.shape
     current = list(src.placements)
     steps: list[Transition] = []
 
@@ -51,7 +80,7 @@ def plan_transitions(src: DTensorSpec, dst_placements: tuple[Placement, ...]) ->
         steps.append(Transition(mesh_dim, current[mesh_dim], target, tuple(logical)))
         current[mesh_dim] = target
 
-    for mesh_dim in reversed(range(len(current))):
+    for mesh_dim in reversed(range(len(current)) if unnest_first else ()):
         target = dst_placements[mesh_dim]
         if isinstance(target, Shard):
             now = [i for i in range(mesh_dim) if current[i].is_shard(target.dim)]
@@ -64,6 +93,32 @@ def plan_transitions(src: DTensorSpec, dst_placements: tuple[Placement, ...]) ->
         if current[mesh_dim] != target:
             move(mesh_dim, target)
     return tuple(steps)
+
+
+def _estimated_cost(src: DTensorSpec, steps: tuple[Transition, ...]) -> tuple[int, int]:
+    """(elements all ranks send, collectives) of a plan, summed over every mesh coordinate.
+
+    Pure shape math (no communication); identical on every rank, so all ranks pick the same plan.
+    """
+    mesh_shape = src.mesh.shape
+    sent = count = 0
+    for coordinate in itertools.product(*(range(n) for n in mesh_shape)):
+        current = list(src.placements)
+        for step in steps:
+            m, n = step.mesh_dim, mesh_shape[step.mesh_dim]
+            if not isinstance(step.src, Replicate) and n > 1:
+                local = list(local_shape_and_offset(src.shape, mesh_shape, coordinate, current)[0])
+                logical = logical_shape_before(src.shape, mesh_shape, coordinate, current, m)
+                padded_dim = step.src.dim if isinstance(step.src, Shard) and isinstance(step.dst, Replicate) else None
+                if isinstance(step.src, Partial) and isinstance(step.dst, Shard):
+                    padded_dim = step.dst.dim
+                if padded_dim is not None:  # fixed-size collectives pad to the largest chunk
+                    full = -(-logical[padded_dim] // n)
+                    local[padded_dim] = full * n if isinstance(step.dst, Shard) else full
+                sent += math.prod(local)
+                count += 1
+            current[m] = step.dst
+    return sent, count
 
 
 def redistribute_local(
@@ -103,7 +158,8 @@ def run_transition(local: torch.Tensor, step: Transition, mesh, index: int, *, i
         if isinstance(src, Replicate):
             if is_backward:  # a replicated grad stays replicated: partitioning it would only add a reduce
                 return local
-            return local / n if dst.reduce_op == "sum" else local
+            divisor = partition_divisor(dst.reduce_op, n)
+            return local / divisor if divisor != 1 else local
         if isinstance(src, Partial):
             raise ValueError(
                 f"cannot redistribute {src} to {dst} on mesh dim {m}: reduce ops differ; go through Replicate()"

@@ -58,14 +58,16 @@ def block(x, p, freqs_cis):
 
 def _train_step(x, target, params, freqs_cis, steps: int = 2):
     opt = torch.optim.AdamW(list(params.values()), lr=1e-2, weight_decay=0.1)
-    losses = []
-    for _ in range(steps):
+    losses, first_grads = [], {}
+    for step in range(steps):
         opt.zero_grad()
         loss = ((block(x, params, freqs_cis) - target) ** 2).mean()
         loss.backward()
+        if step == 0:
+            first_grads = {k: v.grad.clone() for k, v in params.items()}
         opt.step()
         losses.append(loss)
-    return losses
+    return losses, first_grads
 
 
 def _run(mesh_shape: tuple[int, ...]) -> float:
@@ -78,7 +80,7 @@ def _run(mesh_shape: tuple[int, ...]) -> float:
     x = torch.randn(2, SEQ, DIM, generator=g)
     target = torch.randn(2, SEQ, DIM, generator=g)
     ref = {k: v.clone().requires_grad_() for k, v in _params().items()}
-    ref_losses = _train_step(x, target, ref, _freqs_cis(SEQ))
+    ref_losses, ref_grads = _train_step(x, target, ref, _freqs_cis(SEQ))
 
     dp = (Shard(0),) if len(mesh_shape) == 2 else ()  # a (dp, tp) mesh shards the batch on dp
     rep = (Replicate(),) * len(mesh_shape)
@@ -90,20 +92,23 @@ def _run(mesh_shape: tuple[int, ...]) -> float:
     params = {k: distribute_tensor(v, mesh, placements(k)).requires_grad_() for k, v in _params().items()}
     dx = distribute_tensor(x, mesh, dp + (Replicate(),))
     dtarget = distribute_tensor(target, mesh, dp + (Replicate(),))
-    losses = _train_step(dx, dtarget, params, distribute_tensor(_freqs_cis(SEQ), mesh, rep))
+    losses, grads = _train_step(dx, dtarget, params, distribute_tensor(_freqs_cis(SEQ), mesh, rep))
+    for k, g in grads.items():
+        torch.testing.assert_close(g.full_tensor(), ref_grads[k], atol=1e-5, rtol=1e-4, msg=lambda m: f"grad {k}: {m}")
     for got, want in zip(losses, ref_losses):
         full = got.full_tensor() if isinstance(got, DTensor) else got
         torch.testing.assert_close(full, want, atol=1e-5, rtol=1e-5)
     worst = 0.0
     for k, v in params.items():
-        torch.testing.assert_close(v.full_tensor(), ref[k].detach(), atol=1e-5, rtol=1e-5, msg=lambda m: f"{k}: {m}")
+        # AdamW divides by sqrt(v): fp32 summation-order differences in tiny grads grow to ~1e-5
+        torch.testing.assert_close(v.full_tensor(), ref[k].detach(), atol=1e-4, rtol=1e-4, msg=lambda m: f"{k}: {m}")
         worst = max(worst, (v.full_tensor() - ref[k].detach()).abs().max().item())
     return worst
 
 
 def test_llama_block_train_step_matches_single_device_tp2():
-    assert max(run_world(_run, 2, (2,))) < 1e-5
+    assert max(run_world(_run, 2, (2,))) < 1e-4
 
 
 def test_llama_block_train_step_matches_single_device_dp2_tp2():
-    assert max(run_world(_run, 4, (2, 2))) < 1e-5
+    assert max(run_world(_run, 4, (2, 2))) < 1e-4

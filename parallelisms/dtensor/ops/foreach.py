@@ -1,3 +1,294 @@
-"""Sharding rules: foreach family (to be written)."""
+"""Sharding rules: foreach ops (`_foreach_*`), fused optimizers (`_fused_adam(w)_`) and vector norms.
+
+A foreach op is its pointwise op applied per list index (`_foreach_add_(xs, ys, alpha=a)` is
+`xs[i].add_(ys[i], alpha=a)` for every i), so each index is planned on its own with the pointwise
+planner (pointwise.elementwise_candidates) and keeps its cheapest candidate: lists may mix
+placements freely. A single tensor shared by every index (`_foreach_mul_(grads, clip_coef)`) must
+be Replicate. In-place lists (and every list a fused optimizer writes) keep their placements.
+
+Norms of sharded tensors are reductions whose pieces combine without moving the data:
+
+    ||x||_p over S(d) pieces, d reduced   -> P(norm<p>)   global = (sum_r ||x_r||_p ** p) ** (1/p)
+    p = 1 (and 0: count of non-zeros)     -> P(sum)
+    p = inf / -inf                        -> P(max) / P(min)   (no piece may be empty: max() of none)
+    ||.||_p of P(norm<p>) pieces          -> P(norm<p>)        (the same sum of p-th powers)
+
+P(norm<p>) is reduced by all_reduce(sum) of x**p and a p-th root (collectives.py), so
+clip_grad_norm_ over sharded grads moves one scalar per norm instead of the gradients.
+"""
 
 from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch._ops import OpOverload
+
+from ..placements import Partial, Placement, Replicate, Shard, chunk_sizes, norm_reduce_op
+from ..spec import DTensorSpec
+from .pointwise import (
+    PartialRule, WRITE_ONLY, broadcast_shape, elementwise_candidates, identity, mixes_reduce_ops, num_tensor_outputs,
+    partial_rule_for, placements_str,
+)  # fmt: skip
+from .registry import OpCall, Placements, Sharding, register
+
+aten = torch.ops.aten
+Candidate = tuple[Placements, tuple[Placements, ...]]  # (output placements, required per input)
+
+
+# --------------------------------------------------------------------------------------------------
+# norms and full reductions (pure math)
+# --------------------------------------------------------------------------------------------------
+
+
+def norm_partial(ord: float) -> str | None:
+    """The reduce op that combines per-piece `ord`-norms into the norm of the whole, if any."""
+    if ord == math.inf:
+        return "max"
+    if ord == -math.inf:
+        return "min"
+    if ord in (0, 1):
+        return "sum"
+    return norm_reduce_op(ord) if ord > 0 else None  # negative p: empty pieces raise; reduce first
+
+
+def _leaf_sizes(size: int, splits: Sequence[int]) -> list[int]:
+    sizes = [size]
+    for n in splits:
+        sizes = [c for s in sizes for c in chunk_sizes(s, n)]
+    return sizes
+
+
+def has_empty_piece(spec: DTensorSpec, placements: Placements, dims: Sequence[int]) -> bool:
+    """Whether some rank holds no element of the reduced `dims` under `placements`."""
+    mesh_shape = spec.mesh.shape
+    for d in dims:
+        splits = [mesh_shape[m] for m, p in enumerate(placements) if isinstance(p, Shard) and p.dim == d]
+        if min(_leaf_sizes(spec.shape[d], splits)) == 0:
+            return True
+    return False
+
+
+def reduction_candidates(
+    spec: DTensorSpec, becomes: str | None, passes: tuple[str, ...], dims: Sequence[int], keepdim: bool
+) -> list[tuple[Placements, Placements]]:
+    """(input placements, output placements) choices of a norm-like reduction over `dims`.
+
+    A shard of a reduced dim turns into P(`becomes`); a Partial input passes if listed in `passes`;
+    anything else is gathered. Kept dims stay sharded (shifted past the dropped dims).
+    """
+    def out_dim(d: int) -> int:
+        return d if keepdim else d - sum(1 for r in dims if r < d)
+
+    per_dim: list[list[tuple[Placement, Placement]]] = []
+    for p in spec.placements:
+        if isinstance(p, Shard) and p.dim not in dims:
+            per_dim.append([(p, Shard(out_dim(p.dim)))])
+        elif isinstance(p, Shard):
+            per_dim.append(([(p, Partial(becomes))] if becomes else []) + [(Replicate(), Replicate())])
+        elif isinstance(p, Partial) and p.reduce_op in passes:
+            per_dim.append([(p, p)])
+        else:
+            per_dim.append([(Replicate(), Replicate())])
+    out = []
+    for combo in itertools.product(*per_dim):
+        inputs, output = tuple(i for i, _ in combo), tuple(o for _, o in combo)
+        if mixes_reduce_ops(output) or mixes_reduce_ops(inputs):
+            continue
+        if becomes in ("max", "min") and has_empty_piece(spec, inputs, dims):
+            continue  # max() of an empty piece raises
+        out.append((inputs, output))
+    return out
+
+
+def vector_norm_candidates(spec: DTensorSpec, ord: Any, dims: Sequence[int] | None, keepdim: bool) -> list[Candidate]:
+    ord = float(ord)
+    dims = tuple(range(spec.ndim)) if not dims else tuple(sorted(d % spec.ndim for d in dims))
+    becomes = norm_partial(ord)
+    passes = (becomes,) if becomes and becomes.startswith("norm") else ()  # ||.|| of P(norm<p>) pieces
+    return [(out, (inp,)) for inp, out in reduction_candidates(spec, becomes, passes, dims, keepdim)]
+
+
+@register(aten.linalg_vector_norm.default)
+def vector_norm_rule(call: OpCall) -> list[Sharding]:
+    """linalg_vector_norm: the norm table in the module docstring."""
+    spec = call.specs[0]
+    bound = dict(zip((a.name for a in call.op._schema.arguments), call.args)) | call.kwargs
+    dims = bound.get("dim")
+    dims = (dims,) if isinstance(dims, int) else dims
+    candidates = vector_norm_candidates(spec, bound.get("ord", 2), dims, bool(bound.get("keepdim", False)))
+    return [Sharding(required, (out,)) for out, required in candidates]
+
+
+# --------------------------------------------------------------------------------------------------
+# foreach: plan each list index with the pointwise planner
+# --------------------------------------------------------------------------------------------------
+
+
+def base_of(op: OpOverload) -> str:
+    """`aten._foreach_add_.List` -> "add"; fused optimizers keep their name."""
+    return op._schema.name.split("::")[-1].removeprefix("_foreach_").rstrip("_")
+
+
+def base_arg_names(base: str, fallback: Sequence[str]) -> list[str]:
+    """Positional argument names of the per-index op (foreach names `scalars`, `tensors1`...)."""
+    for overload in ("Tensor", "default", "Tensor_Tensor"):
+        try:
+            schema = torch._C._get_schema(f"aten::{base}", overload)
+        except RuntimeError:
+            continue
+        names = [a.name for a in schema.arguments if not a.kwarg_only]
+        return names + list(fallback[len(names) :])
+    return list(fallback)
+
+
+def _slots(call: OpCall) -> Iterator[tuple[Any, int | None, Any]]:
+    """(schema argument, list index or None for a shared value, value) in DTensor-input order."""
+    schema_args = call.op._schema.arguments
+    by_name = {a.name: a for a in schema_args}
+    for arg, value in [*zip(schema_args, call.args), *((by_name[k], v) for k, v in call.kwargs.items())]:
+        if isinstance(arg.type, torch.ListType):
+            for i, v in enumerate(value or ()):
+                yield arg, i, v
+        else:
+            yield arg, None, value
+
+
+def _partial_rule(base: str) -> PartialRule:
+    return identity("self") if base == "clone" else partial_rule_for(base)
+
+
+def index_candidates(call: OpCall, i: int, base: str, names: dict[str, str]) -> tuple[list[DTensorSpec], list[Candidate], list[str]]:
+    """The DTensor operands of list index `i`, their candidates, and each operand's role."""
+    inputs, in_names, written, roles = [], [], [], []
+    static: dict[str, Any] = {}
+    for arg, index, value in _slots(call):
+        if index is not None and index != i:
+            continue
+        name = names.get(arg.name, arg.name)
+        static.setdefault(name, value)
+        if not isinstance(value, DTensorSpec):
+            continue
+        is_write = arg.alias_info is not None and arg.alias_info.is_write
+        role = "shared" if index is None else "out" if is_write and (arg.kwarg_only or base in WRITE_ONLY) else (
+            "keep" if is_write else "in")  # fmt: skip
+        roles.append(role)
+        if is_write:
+            written.append(value)
+        if role != "out":
+            inputs.append(value)
+            in_names.append(name)
+    fixed = written[0].placements if written else None
+    if any(w.placements != fixed for w in written):
+        raise ValueError(
+            f"{call.op} writes list index {i} of several lists with different placements "
+            f"{[placements_str(w.placements) for w in written]}; a fused update needs the parameter, its grad and "
+            f"its states laid out alike (e.g. grads sharded like their parameters)"
+        )
+    active = [r for r in roles if r != "out"]
+    keep = [j for j, r in enumerate(active) if r == "keep"]
+    candidates = elementwise_candidates(
+        inputs, in_names, _partial_rule(base), static, mesh_ndim=call.mesh_ndim,
+        out_shape=broadcast_shape([*inputs, *written]), fixed=fixed, keep=keep,
+    )  # fmt: skip
+    replicate = tuple(Replicate() for _ in range(call.mesh_ndim))
+    shared = [j for j, r in enumerate(active) if r == "shared"]
+    candidates = [c for c in candidates if all(c[1][j] == replicate for j in shared)]
+    return inputs, candidates, roles
+
+
+def cheapest(inputs: Sequence[DTensorSpec], candidates: Sequence[Candidate]) -> Candidate:
+    """The candidate that moves the fewest bytes (ties: more sharded output dims)."""
+    from ..dispatch import redistribute_cost  # dispatch imports this package: bind at call time
+
+    def key(c: Candidate) -> tuple[float, int]:
+        return redistribute_cost(list(inputs), c[1]), -sum(isinstance(p, Shard) for p in c[0])
+
+    return min(candidates, key=key)
+
+
+def list_length(call: OpCall) -> int:
+    return max((index + 1 for _, index, _ in _slots(call) if index is not None), default=0)
+
+
+def foreach_rule(call: OpCall) -> Sharding:
+    """Every index planned alone (see the module docstring); returns one Sharding for the lists."""
+    base = base_of(call.op)
+    positional = [a.name for a in call.op._schema.arguments if not a.kwarg_only]
+    names = dict(zip(positional, base_arg_names(base, positional)))
+    chosen: list[Candidate] = []
+    for i in range(list_length(call)):
+        if base in NORMS:
+            chosen.append(cheapest([call.args[0][i]], _norm_candidates(call, base, i)))
+            continue
+        inputs, candidates, _ = index_candidates(call, i, base, names)
+        if not candidates:
+            raise RuntimeError(
+                f"{call.op}: list index {i} with placements {[placements_str(s.placements) for s in inputs]} cannot "
+                f"run without changing a tensor it writes; redistribute that tensor out of place first"
+            )
+        chosen.append(cheapest(inputs, candidates))
+    return _assemble(call, base, names, chosen)
+
+
+def _assemble(call: OpCall, base: str, names: dict[str, str], chosen: list[Candidate]) -> Sharding:
+    """Per flat DTensor input its required placements; per output tensor its placements."""
+    replicate = tuple(Replicate() for _ in range(call.mesh_ndim))
+    position = [0] * len(chosen)  # per list index: the next operand position in its candidate
+    per_spec: list[Placements | None] = []
+    for arg, index, value in _slots(call):
+        if not isinstance(value, DTensorSpec):
+            continue
+        is_write = arg.alias_info is not None and arg.alias_info.is_write
+        if index is None:  # shared by every index, always Replicate
+            per_spec.append(replicate)
+            position = [j + 1 for j in position]
+        elif is_write and (arg.kwarg_only or base in WRITE_ONLY):
+            per_spec.append(None)  # overwritten: its placements are the output's
+        else:
+            per_spec.append(None if is_write else chosen[index][1][position[index]])
+            position[index] += 1
+    outputs = tuple(c[0] for c in chosen) if num_tensor_outputs(call.op) else ()
+    return Sharding(tuple(per_spec), outputs)
+
+
+# --------------------------------------------------------------------------------------------------
+# foreach reductions: _foreach_norm, _foreach_max, _foreach_powsum
+# --------------------------------------------------------------------------------------------------
+
+NORMS = ("norm", "max", "powsum")
+
+
+def _norm_candidates(call: OpCall, base: str, i: int) -> list[Candidate]:
+    spec = call.args[0][i]
+    if base == "max":
+        raw = reduction_candidates(spec, "max", ("max",), tuple(range(spec.ndim)), False)
+    elif base == "powsum":  # sum_j |x_j|**p adds up across pieces
+        raw = reduction_candidates(spec, "sum", (), tuple(range(spec.ndim)), False)
+    else:
+        ord = call.args[1] if len(call.args) > 1 else call.kwargs.get("ord", 2)
+        return vector_norm_candidates(spec, ord, None, False)
+    return [(out, (inp,)) for inp, out in raw]
+
+
+def discover_foreach_ops() -> list[OpOverload]:
+    """Every `_foreach_*` overload (but matmul and out= forms of the norms), and the in-place fused
+    Adam/AdamW updates."""
+    found = []
+    for qualified in torch._C._dispatch_get_all_op_names():
+        if not qualified.startswith(("aten::_foreach_", "aten::_fused_adam")):
+            continue
+        name, _, overload = qualified.removeprefix("aten::").partition(".")
+        if name == "_foreach_mm" or (name.removeprefix("_foreach_") in NORMS and overload.endswith("out")):
+            continue
+        if name.startswith("_fused_") and not name.endswith("_"):
+            continue  # functional fused updates return five lists (compile's functionalization only)
+        found.append(getattr(getattr(aten, name), overload or "default"))
+    return found
+
+
+FOREACH_OPS = tuple(discover_foreach_ops())
+register(*FOREACH_OPS)(foreach_rule)

@@ -1,3 +1,283 @@
-"""Sharding rules: matmul family (to be written)."""
+"""Sharding rules: the matmul family (mm, bmm, addmm, baddbmm, addbmm, dot, mv, addmv), written once.
+
+Every op here is an einsum `"mk,kn->mn"` over its product operands, plus (for the `add*` ops) an
+additive operand broadcast to the output: `addmm(bias, a, b) = beta * bias + alpha * a @ b`.
+One mesh dim at a time, the legal layouts are:
+
+    all Replicate                      R,    R    -> R
+    shard an output letter (m, n, b)   S(m), R    -> S(m)      every operand holding m is split on m
+    shard a contracted letter (k)      S(k), S(k) -> P(sum)    local a @ b is one term of the sum
+    carry a linear Partial             P,    R    -> P         (a1 + a2) @ b = a1 @ b + a2 @ b
+
+With a Partial output the additive operand must be Partial too (`bias + sum_r t_r` is
+`sum_r (bias / n + t_r)`): a Replicate bias is partitioned locally (bias / n), never summed n times.
+A rule offers the product of the per-mesh-dim layouts and the dispatcher keeps the cheapest. S(k) x S(k)
+is offered only where it needs no collective (each operand already S(k) or Replicate): the dispatcher
+prices input moves only, and a Partial output defers a reduction of the whole output. A plain 0-d
+bias (not a DTensor) rules out Partial outputs; in-place (`addmm_`) and out= calls keep the written
+tensor's placements.
+
+Uneven shards need nothing special: every operand holding a letter is split on it by the same mesh
+dims in the same order, so their `torch.chunk` pieces line up (an empty k piece contributes zeros).
+`aten.linear` and `aten.matmul` decompose before dispatch into t / view / mm / addmm / bmm /
+_unsafe_view, so they need no rules of their own (the views live in views.py).
+"""
 
 from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch._ops import OpOverloadPacket
+from torch.ops import aten
+
+from ..placements import Partial, Placement, Replicate, Shard
+from ..spec import DTensorSpec
+from .registry import OpCall, Placements, Sharding, register
+
+# Partial reduce ops a matmul carries through: it is linear in each operand, so sum and avg pass.
+LINEAR_REDUCE_OPS = ("sum", "avg")
+
+
+@dataclass(frozen=True, slots=True)
+class Einsum:
+    """`"mk,kn->mn"` parsed: one letter string per product operand and the output's letters."""
+
+    operands: tuple[str, ...]
+    output: str
+
+    @staticmethod
+    def parse(equation: str) -> Einsum:
+        lhs, output = equation.split("->")
+        return Einsum(tuple(lhs.split(",")), output)
+
+    @property
+    def contracted(self) -> tuple[str, ...]:
+        """Letters summed over: in some operand, not in the output (k of mm, b and k of addbmm)."""
+        seen = dict.fromkeys("".join(self.operands))
+        return tuple(x for x in seen if x not in self.output)
+
+
+# op -> (einsum, whether arg 0 is an additive operand broadcast to the output)
+EINSUMS: dict[OpOverloadPacket, tuple[Einsum, bool]] = {
+    aten.mm: (Einsum.parse("mk,kn->mn"), False),
+    aten.bmm: (Einsum.parse("bmk,bkn->bmn"), False),
+    aten.dot: (Einsum.parse("k,k->"), False),
+    aten.mv: (Einsum.parse("mk,k->m"), False),
+    aten.addmm: (Einsum.parse("mk,kn->mn"), True),
+    aten.addmm_: (Einsum.parse("mk,kn->mn"), True),
+    aten.baddbmm: (Einsum.parse("bmk,bkn->bmn"), True),
+    aten.baddbmm_: (Einsum.parse("bmk,bkn->bmn"), True),
+    aten.addbmm: (Einsum.parse("bmk,bkn->mn"), True),
+    aten.addmv: (Einsum.parse("mk,k->m"), True),
+}
+
+
+# --------------------------------------------------------------------------------------------------
+# pure planning: letters -> per-mesh-dim layouts -> Shardings
+# --------------------------------------------------------------------------------------------------
+
+Letters = tuple[str | None, ...]  # one letter per tensor dim; None: a broadcast dim that cannot shard
+
+
+def additive_letters(shape: Sequence[int], output: str, output_shape: Sequence[int]) -> Letters:
+    """Letters of an operand broadcast to the output (right-aligned); size-1 broadcast dims get None."""
+    offset = len(output) - len(shape)
+    if offset < 0:
+        raise ValueError(f"additive operand of shape {tuple(shape)} does not broadcast to output letters {output!r}")
+    return tuple(
+        None if size == 1 and output_shape[offset + i] != 1 else output[offset + i] for i, size in enumerate(shape)
+    )
+
+
+def _shard_on(letters: Letters, x: str) -> Placement:
+    return Shard(letters.index(x)) if x in letters else Replicate()
+
+
+def product_layouts(
+    operands: Sequence[Letters], einsum: Einsum, current: Sequence[Placement]
+) -> list[tuple[list[Placement], Placement]]:
+    """(operand placements, output placement) of the product alone on one mesh dim; `current` is
+    each product operand's placement now (it decides which Partials are worth offering)."""
+    r = Replicate()
+    layouts: list[tuple[list[Placement], Placement]] = [([r] * len(operands), r)]  # R x R -> R
+    for x in einsum.output:  # S(x) x R -> S(x)
+        layouts.append(([_shard_on(lt, x) for lt in operands], Shard(einsum.output.index(x))))
+    for x in einsum.contracted:  # S(k) x S(k) -> P(sum); an operand without k is replicated
+        contract = [_shard_on(lt, x) for lt in operands]
+        # only where no operand needs a collective to get there: a Partial output defers a reduction
+        # of the whole output, which the dispatcher's input-bytes cost cannot see
+        if all(want == now or isinstance(now, Replicate) for want, now in zip(contract, current)):
+            layouts.append((contract, Partial("sum")))
+    return layouts
+
+
+def mesh_dim_layouts(
+    operands: Sequence[Letters],
+    additive: Letters | None,
+    einsum: Einsum,
+    current: Sequence[Placement],
+) -> list[tuple[Placements, Placement]]:
+    """Legal (input placements, output placement) on one mesh dim.
+
+    `operands` are the product operands' letters, `additive` the additive operand's (placed first in
+    the returned inputs when present), `current` every input's placement now, in that same order.
+    """
+    now_operands = current[1:] if additive is not None else current
+    layouts = product_layouts(operands, einsum, now_operands)
+    partial_ops = {p.reduce_op for p in current if isinstance(p, Partial) and p.reduce_op in LINEAR_REDUCE_OPS}
+    for reduce_op in sorted(partial_ops):  # P x R -> P: linear in each product operand
+        for i in range(len(operands)):
+            carry: list[Placement] = [Replicate()] * len(operands)
+            carry[i] = Partial(reduce_op)
+            layouts.append((carry, Partial(reduce_op)))
+    out: list[tuple[Placements, Placement]] = []
+    for placements, out_p in layouts:
+        if additive is not None:
+            # the additive operand follows the output: sharded on the same letter, Partial with a Partial output
+            add_p: Placement = out_p
+            if isinstance(out_p, Shard):
+                add_p = _shard_on(additive, einsum.output[out_p.dim])
+            placements = [add_p, *placements]
+        if all(_reachable(now, want) for now, want in zip(current, placements)):
+            out.append((tuple(placements), out_p))
+    return out
+
+
+def _reachable(now: Placement, want: Placement) -> bool:
+    """Only Replicate (a local partition) or the same Partial can become Partial."""
+    return not isinstance(want, Partial) or now == want or isinstance(now, Replicate)
+
+
+def _mixes_partials(placements: Iterable[Placement]) -> bool:
+    return len({p.reduce_op for p in placements if isinstance(p, Partial)}) > 1
+
+
+def combine_mesh_dims(per_mesh_dim: Sequence[list[tuple[Placements, Placement]]]) -> list[Sharding]:
+    """Product of the per-mesh-dim layouts into whole Shardings (operand order as in the layouts).
+
+    Several mesh dims sharding one letter always nest the same way in every operand (each mesh dim
+    shards the letter in all operands that hold it), so only mixed Partial reduce ops are rejected.
+    """
+    shardings = []
+    for combo in itertools.product(*per_mesh_dim):
+        inputs = tuple(zip(*(placements for placements, _ in combo)))
+        output = tuple(out_p for _, out_p in combo)
+        if _mixes_partials(output) or any(_mixes_partials(p) for p in inputs):
+            continue
+        shardings.append(Sharding(inputs, (output,)))
+    return shardings
+
+
+def einsum_shardings(
+    einsum: Einsum,
+    operand_specs: Sequence[DTensorSpec],
+    additive_spec: DTensorSpec | None,
+    output_shape: Sequence[int],
+    mesh_ndim: int,
+) -> list[Sharding]:
+    """Every legal Sharding of an einsum op; inputs ordered (additive, *operands)."""
+    letters: list[Letters] = [tuple(lt) for lt in einsum.operands]
+    specs = list(operand_specs)
+    add_letters = None
+    if additive_spec is not None:
+        add_letters = additive_letters(additive_spec.shape, einsum.output, output_shape)
+        specs = [additive_spec, *specs]
+    per_mesh_dim = [
+        mesh_dim_layouts(letters, add_letters, einsum, [s.placements[m] for s in specs]) for m in range(mesh_ndim)
+    ]
+    return combine_mesh_dims(per_mesh_dim)
+
+
+# --------------------------------------------------------------------------------------------------
+# the rule
+# --------------------------------------------------------------------------------------------------
+
+
+def _output_shape(einsum: Einsum, operand_specs: Sequence[DTensorSpec]) -> tuple[int, ...]:
+    sizes: dict[str, int] = {}
+    for letters, spec in zip(einsum.operands, operand_specs):
+        sizes.update(zip(letters, spec.shape))
+    return tuple(sizes[x] for x in einsum.output)
+
+
+def spec_keys(call: OpCall) -> list[tuple]:
+    """Where each of `call.specs` sits: ("arg", i) / ("kwarg", name), with a list index appended."""
+    named: list[tuple[tuple, Any]] = [(("arg", i), a) for i, a in enumerate(call.args)]
+    named += [(("kwarg", k), v) for k, v in call.kwargs.items()]
+    keys: list[tuple] = []
+    for key, a in named:
+        if isinstance(a, DTensorSpec):
+            keys.append(key)
+        elif isinstance(a, (list, tuple)):
+            keys += [(*key, j) for j, x in enumerate(a) if isinstance(x, DTensorSpec)]
+    return keys
+
+
+@register(*EINSUMS)
+def einsum_rule(call: OpCall) -> list[Sharding]:
+    """mm / bmm / dot / mv and their add* forms: the einsum layouts above, cheapest chosen by the dispatcher."""
+    einsum, has_additive = EINSUMS[call.op.overloadpacket]
+    args = [a if isinstance(a, DTensorSpec) else None for a in call.args]
+    additive = args[0] if has_additive else None
+    first = 1 if has_additive else 0
+    operand_specs = args[first : first + len(einsum.operands)]
+    if any(s is None for s in operand_specs):
+        raise NotImplementedError(f"{call.op}: every matrix operand must be a DTensor, got {call.args}")
+    specs = [s for s in operand_specs if s is not None]
+    candidates = einsum_shardings(einsum, specs, additive, _output_shape(einsum, specs), call.mesh_ndim)
+    if has_additive and additive is None:
+        # a plain (scalar) bias is on every rank: a Partial output would add it once per rank
+        candidates = [s for s in candidates if not any(isinstance(p, Partial) for p in s.outputs[0] or ())]
+    positions = ([0] if additive is not None else []) + list(range(first, first + len(einsum.operands)))
+    keys = spec_keys(call)
+    candidates = [_in_spec_order(keys, positions, s) for s in candidates]
+    return keep_written_layout(call, candidates)
+
+
+def _in_spec_order(keys: list[tuple], positions: list[int], sharding: Sharding) -> Sharding:
+    """Map operand-ordered input placements (operands at args `positions`) to `call.specs` order;
+    any other DTensor (an out= tensor) gets None."""
+    by_arg: dict[int, Placements | None] = dict(zip(positions, sharding.inputs))
+    return Sharding(tuple(by_arg.get(k[1]) if k[0] == "arg" else None for k in keys), sharding.outputs)
+
+
+def keep_written_layout(call: OpCall, candidates: list[Sharding]) -> list[Sharding]:
+    """In-place (`addmm_`) and out= ops write into an existing DTensor whose placements cannot change:
+    keep the candidates that leave it as it is and produce exactly its placements."""
+    written = _written_args(call)
+    if not written:
+        return candidates
+    keys = spec_keys(call)
+    kept = []
+    for s in candidates:
+        inputs = list(s.inputs)
+        ok = True
+        for out_index, key, spec in written:
+            j = keys.index(key)
+            ok &= inputs[j] in (None, spec.placements) and s.outputs[out_index] == spec.placements
+            inputs[j] = None
+        if ok:
+            kept.append(Sharding(tuple(inputs), s.outputs))
+    if not kept:
+        placements = [tuple(map(str, spec.placements)) for _, _, spec in written]
+        raise NotImplementedError(
+            f"{call.op} writes into a DTensor with placements {placements}, which this op cannot produce from "
+            f"these inputs; call the out-of-place op and redistribute its result instead"
+        )
+    return kept
+
+
+def _written_args(call: OpCall) -> list[tuple[int, tuple, DTensorSpec]]:
+    """(output index, spec key, spec) of every DTensor the op writes into, in output order."""
+    written: list[tuple[int, tuple, DTensorSpec]] = []
+    for i, arg in enumerate(call.op._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        positional = i < len(call.args) and not arg.kwarg_only
+        value = call.args[i] if positional else call.kwargs.get(arg.name)
+        if isinstance(value, DTensorSpec):
+            written.append((len(written), ("arg", i) if positional else ("kwarg", arg.name), value))
+    return written

@@ -1,3 +1,169 @@
-"""Sharding rules: norms family (to be written)."""
+"""Sharding rules: softmax and normalization (softmax, log_softmax, layer_norm, rms_norm).
+
+These ops normalize each "row" of their input over some dims (the softmax dim; the trailing
+`normalized_shape` dims of a norm) and treat every other dim independently. One mesh dim at a time:
+
+    input S(d), d not normalized   -> outputs S(d)     rows are independent (uneven shards too)
+    input S(d), d normalized       -> gather to R      a row's statistics need the whole row
+    input P                        -> gather to R      normalization is not linear
+    norm weight / bias             -> R                they span the normalized dims
+
+Backward ops take the forward's tensors (grad, output/input, mean, rstd) and must see them with one
+common layout `c`. Their parameter gradients sum over the rows: `grad_weight = sum_rows(g * xhat)`,
+so a row-sharded `c` leaves each rank one term of that sum, P(sum). Every backward here is linear in
+the incoming grad, so a P(sum) grad with everything else Replicate gives P(sum) gradients.
+
+`F.rms_norm` and `nn.RMSNorm` decompose on CPU (torch 2.13) into pow / mean / add / rsqrt / mul
+(pointwise.py and reductions.py rules); `_fused_rms_norm(_backward)` is covered for backends that
+keep the fused kernel.
+
+`named_specs` is shared by the loss and attention families, which have the same kind of schemas.
+"""
 
 from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable, Sequence
+
+from torch.ops import aten
+
+from ..placements import Partial, Placement, Replicate, Shard
+from ..spec import DTensorSpec
+from .registry import LocalImpl, OpCall, Sharding, register
+
+R = Replicate()
+LINEAR_PARTIALS = (Partial("sum"), Partial("avg"))
+
+
+def named_specs(call: OpCall) -> list[tuple[str, DTensorSpec]]:
+    """(schema argument name, spec) of every DTensor input, in flat order (that of Sharding.inputs)."""
+    names = [a.name for a in call.op._schema.arguments]
+    pairs = [(names[i], a) for i, a in enumerate(call.args)] + list(call.kwargs.items())
+    return [(name, a) for name, a in pairs if isinstance(a, DTensorSpec)]
+
+
+def arg(call: OpCall, name: str, default=None):
+    """A static argument by schema name, positional or keyword."""
+    for i, a in enumerate(call.op._schema.arguments):
+        if a.name == name:
+            if i < len(call.args):
+                return call.args[i]
+            return call.kwargs.get(name, a.default_value if a.has_default_value() else default)
+    raise KeyError(f"{call.op} has no argument {name!r}")
+
+
+def row_options(placements: Iterable[Placement], keeps: Callable[[Placement], bool]) -> list[Placement]:
+    """One mesh dim's choices for a common row layout: R, plus every legal shard an input has."""
+    return [R] + list(dict.fromkeys(p for p in placements if isinstance(p, Shard) and keeps(p)))
+
+
+# --------------------------------------------------------------------------------------------------
+# softmax family
+# --------------------------------------------------------------------------------------------------
+
+
+def _normalized_dim(call: OpCall, ndim: int) -> int:
+    dim = arg(call, "dim")
+    return dim + ndim if dim < 0 else dim
+
+
+@register(aten._softmax.default, aten._log_softmax.default, aten._safe_softmax.default)
+def softmax_rule(call: OpCall) -> Sharding:
+    """S(d) on a non-softmax dim stays; the softmax dim and Partial are gathered (R)."""
+    (spec,) = call.specs
+    dim = _normalized_dim(call, spec.ndim)
+    target = tuple(p if isinstance(p, Shard) and p.dim != dim else R for p in spec.placements)
+    return Sharding((target,), (target,))
+
+
+@register(aten._softmax_backward_data.default, aten._log_softmax_backward_data.default)
+def softmax_backward_rule(call: OpCall) -> list[Sharding]:
+    """grad and output share a layout that keeps the softmax dim whole.
+
+    Both backwards are linear in grad (`y * (g - sum(g * y))`, `g - exp(y) * sum(g)`), so a
+    P(sum) grad with a Replicate output gives a P(sum) grad_input.
+    """
+    grad, output = call.specs
+    dim = _normalized_dim(call, grad.ndim)
+    per_dim = []
+    for g, y in zip(grad.placements, output.placements):
+        options = [(c, c, c) for c in row_options((g, y), lambda p: p.dim != dim)]
+        if g in LINEAR_PARTIALS:
+            options.append((g, R, g))
+        per_dim.append(options)
+    return [_combine(combo, n_inputs=2) for combo in itertools.product(*per_dim)]
+
+
+def _combine(combo: Sequence[tuple[Placement, ...]], n_inputs: int) -> Sharding:
+    """Per-mesh-dim tuples (input targets..., output placements...) -> one Sharding."""
+    columns = list(zip(*combo))  # one tuple of per-mesh-dim placements per input / output
+    return Sharding(tuple(columns[:n_inputs]), tuple(columns[n_inputs:]))
+
+
+# --------------------------------------------------------------------------------------------------
+# layer_norm / rms_norm
+# --------------------------------------------------------------------------------------------------
+
+# Which DTensor inputs hold rows (they share the layout `c`) and what each output is:
+# "row" follows `c`; "param" is a weight/bias gradient, summed over rows.
+ROW_ARGS = {"input", "grad_out", "mean", "rstd"}
+NORM_OUTPUTS = {
+    aten.native_layer_norm.default: ("row", "row", "row"),  # out, mean, rstd
+    aten.native_layer_norm_backward.default: ("row", "param", "param"),  # grad input, weight, bias
+    aten._fused_rms_norm.default: ("row", "row"),  # out, rstd
+    aten._fused_rms_norm_backward.default: ("row", "param"),  # grad input, weight
+}
+
+
+def norm_axis(call: OpCall) -> int:
+    """First normalized dim of the input: `input.ndim - len(normalized_shape)`."""
+    input_spec = dict(named_specs(call))["input"]
+    return input_spec.ndim - len(arg(call, "normalized_shape"))
+
+
+def norm_options(named: Sequence[tuple[str, DTensorSpec]], mesh_dim: int, axis: int, backward: bool):
+    """One mesh dim's layouts: (target per input..., placement per output kind 'row', 'param')."""
+    rows = [spec.placements[mesh_dim] for name, spec in named if name in ROW_ARGS]
+    options = []
+    for c in row_options(rows, lambda p: p.dim < axis):
+        targets = tuple(c if name in ROW_ARGS else R for name, _ in named)
+        options.append((targets, c, Partial("sum") if isinstance(c, Shard) else R))
+    grad = named[0][1].placements[mesh_dim]
+    if backward and grad == Partial("sum"):  # linear in grad: the rest replicated (sum only: the
+        # param grads are P(sum) on row-sharded mesh dims, and one spec cannot mix reduce ops)
+        options.append(((grad,) + (R,) * (len(named) - 1), grad, grad))
+    return options
+
+
+@register(*NORM_OUTPUTS)
+def norm_rule(call: OpCall) -> list[Sharding]:
+    """Rows (dims before `normalized_shape`) may be sharded; weight and bias are replicated."""
+    named = named_specs(call)
+    axis = norm_axis(call)
+    kinds = NORM_OUTPUTS[call.op]
+    backward = named[0][0] == "grad_out"
+    per_dim = [norm_options(named, m, axis, backward) for m in range(call.mesh_ndim)]
+    impl = contiguous_stats(call.op) if backward else None
+    shardings = []
+    for combo in itertools.product(*per_dim):
+        inputs = tuple(zip(*(targets for targets, _, _ in combo)))
+        by_kind = {"row": tuple(c for _, c, _ in combo), "param": tuple(p for _, _, p in combo)}
+        shardings.append(Sharding(inputs, tuple(by_kind[k] for k in kinds), local_impl=impl))
+    return shardings
+
+
+def contiguous_stats(op) -> LocalImpl:
+    """The backward op with contiguous `mean` / `rstd`.
+
+    The CPU kernels read the saved statistics as flat buffers (on one device they always come
+    contiguous from the forward), but a shard can be a strided view (e.g. a short uneven chunk of a
+    padded scatter), which they would silently misread.
+    """
+    positions = [i for i, a in enumerate(op._schema.arguments) if a.name in ("mean", "rstd")]
+
+    def impl(local_args: list, local_kwargs: dict, input_specs, output_specs):
+        args = [a.contiguous() if i in positions else a for i, a in enumerate(local_args)]
+        kwargs = {k: v.contiguous() if k in ("mean", "rstd") else v for k, v in local_kwargs.items()}
+        return op(*args, **kwargs)
+
+    return impl

@@ -1,3 +1,180 @@
-"""Sharding rules: reductions family (to be written)."""
+"""Sharding rules: the reduction family (sum, mean, amax/amin, max/min, var/std, all/any, argmax/argmin,
+prod, logsumexp) and the scans (cumsum, cumprod, logcumsumexp), written once from a small table.
+
+Per mesh dim, for a reduction `f` over dims D:
+
+    S(d), d not in D   -> S(d')       rows are independent; d' is d shifted left past the dropped dims
+    S(d), d in D       -> P(op)       when f over the pieces, combined by op, is f over the whole:
+                                      sum -> P(sum); mean -> P(avg) (equal shards only: a mean of
+                                      means needs equal counts); amax/max -> P(max), amin/min -> P(min)
+                                      (non-empty shards only: the max of an empty piece raises)
+                       -> otherwise   gather it (R) or move the shard to a kept dim (S(d) -> S(e))
+    P(op)              -> P(op)       when f commutes with op (sum and mean are linear: P(sum), P(avg)
+                                      pass; amax passes P(max)); otherwise reduce first (R or S(e))
+    R                  -> R
+
+A rule returns the product of these per-mesh-dim options; the dispatcher keeps the cheapest.
+Scans keep every dim (keepdim) and treat the scanned dim like a reduced one that never becomes Partial.
+"""
 
 from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch.ops import aten
+
+from ..placements import Partial, Placement, Replicate, Shard, chunk_sizes
+from .registry import OpCall, Placements, Sharding, register
+
+
+@dataclass(frozen=True, slots=True)
+class Reduction:
+    """How a reduction treats a sharded reduced dim and a Partial input."""
+
+    shard_becomes: str | None  # Partial reduce op a sharded reduced dim turns into; None: un-shard it
+    passes_partials: tuple[str, ...] = ()  # Partial inputs carried through unchanged
+    needs_even: bool = False  # every shard of the reduced dims must be equally long (avg)
+    needs_nonempty: bool = False  # no shard of the reduced dims may be empty (max / min raise on empty)
+    scan: bool = False  # cumsum-like: output keeps every dim; the dim is scanned, not dropped
+
+
+SUM = Reduction("sum", ("sum", "avg"))
+NANSUM = Reduction("sum")  # a NaN in one partial term is not a NaN of the sum: no Partial inputs
+MEAN = Reduction("avg", ("sum", "avg"), needs_even=True)
+MAX = Reduction("max", ("max",), needs_nonempty=True)
+MIN = Reduction("min", ("min",), needs_nonempty=True)
+GATHER = Reduction(None)  # var/std/argmax/prod/all/any/logsumexp/max.dim: only unsharded dims reduce
+LINEAR_SCAN = Reduction(None, ("sum", "avg"), scan=True)  # cumsum is linear in its input
+SCAN = Reduction(None, scan=True)
+
+REDUCTIONS: dict[Any, Reduction] = {
+    aten.sum.default: SUM,
+    aten.sum.dim_IntList: SUM,
+    aten.nansum.default: NANSUM,
+    aten.mean.default: MEAN,
+    aten.mean.dim: MEAN,
+    aten.amax.default: MAX,
+    aten.max.default: MAX,
+    aten.amin.default: MIN,
+    aten.min.default: MIN,
+    aten.cumsum.default: LINEAR_SCAN,
+    aten.cumprod.default: SCAN,
+    aten.logcumsumexp.default: SCAN,
+}
+for _op in (
+    aten.max.dim, aten.min.dim, aten.argmax.default, aten.argmin.default,
+    aten.var.default, aten.var.dim, aten.var.correction, aten.std.default, aten.std.dim, aten.std.correction,
+    aten.var_mean.default, aten.var_mean.dim, aten.var_mean.correction,
+    aten.std_mean.default, aten.std_mean.dim, aten.std_mean.correction,
+    aten.all.default, aten.all.dim, aten.all.dims, aten.any.default, aten.any.dim, aten.any.dims,
+    aten.prod.default, aten.prod.dim_int, aten.logsumexp.default,
+):  # fmt: skip
+    REDUCTIONS[_op] = GATHER
+
+# all.dims / any.dims read `dim=[]` as "reduce nothing"; every other op reads it as "reduce everything"
+_EMPTY_DIMS_REDUCE_NOTHING = (aten.all.dims, aten.any.dims)
+
+
+# --------------------------------------------------------------------------------------------------
+# pure math
+# --------------------------------------------------------------------------------------------------
+
+
+def reduced_dims(call: OpCall, ndim: int) -> tuple[tuple[int, ...], bool]:
+    """(normalized reduced dims, keepdim) read from the op's `dim` / `keepdim` args by schema name."""
+    names = [a.name for a in call.op._schema.arguments]
+    bound = dict(zip(names, call.args)) | call.kwargs
+    dim = bound.get("dim")
+    keepdim = bool(bound.get("keepdim", False)) or REDUCTIONS[call.op].scan
+    if isinstance(dim, int):
+        dim = (dim,)
+    if dim is None or (dim == () and call.op not in _EMPTY_DIMS_REDUCE_NOTHING):
+        return tuple(range(ndim)), keepdim
+    return tuple(sorted({d % max(ndim, 1) for d in dim if ndim})), keepdim
+
+
+def output_dim(d: int, dims: Sequence[int], keepdim: bool) -> int:
+    """Where input dim `d` (not reduced) lands in the output: dropped dims before it shift it left."""
+    return d if keepdim else d - sum(1 for r in dims if r < d)
+
+
+def leaf_chunk_sizes(size: int, splits: Sequence[int]) -> list[int]:
+    """Shard lengths of a dim of `size` split by nested mesh dims of sizes `splits` (torch.chunk)."""
+    sizes = [size]
+    for n in splits:
+        sizes = [c for s in sizes for c in chunk_sizes(s, n)]
+    return sizes
+
+
+def shards_ok(
+    kind: Reduction, shape: Sequence[int], mesh_shape: Sequence[int], placements: Placements, dims: Sequence[int]
+) -> bool:
+    """Whether the reduced dims' shards meet `kind`'s needs (equal lengths, none empty)."""
+    for d in dims:
+        splits = [mesh_shape[m] for m, p in enumerate(placements) if isinstance(p, Shard) and p.dim == d]
+        sizes = leaf_chunk_sizes(shape[d], splits)
+        if kind.needs_even and len(set(sizes)) > 1:
+            return False
+        if kind.needs_nonempty and min(sizes) == 0:
+            return False
+    return True
+
+
+def mesh_dim_options(
+    kind: Reduction, p: Placement, ndim: int, dims: Sequence[int], keepdim: bool
+) -> list[tuple[Placement, Placement]]:
+    """(input placement, output placement) choices on one mesh dim whose input placement is `p`."""
+    kept = [d for d in range(ndim) if d not in dims]
+    # move the data somewhere the op can run locally: gather it, or shard a kept dim instead
+    moves: list[tuple[Placement, Placement]] = [(Replicate(), Replicate())]
+    moves += [(Shard(e), Shard(output_dim(e, dims, keepdim))) for e in kept]
+    if isinstance(p, Shard) and p.dim not in dims:
+        return [(p, Shard(output_dim(p.dim, dims, keepdim)))]
+    if isinstance(p, Shard):
+        keep = [(p, Partial(kind.shard_becomes))] if kind.shard_becomes and not kind.scan else []
+        return keep + [m for m in moves if m[0] != p]
+    if isinstance(p, Partial):
+        return [(p, p)] if p.reduce_op in kind.passes_partials else moves
+    return [(p, p)]
+
+
+def reduction_shardings(
+    kind: Reduction,
+    shape: Sequence[int],
+    placements: Placements,
+    mesh_shape: Sequence[int],
+    dims: Sequence[int],
+    keepdim: bool,
+    num_outputs: int,
+) -> list[Sharding]:
+    """Every legal Sharding of a one-input reduction (all outputs share the placements)."""
+    per_mesh_dim = [mesh_dim_options(kind, p, len(shape), dims, keepdim) for p in placements]
+    out = []
+    for combo in itertools.product(*per_mesh_dim):
+        inputs = tuple(i for i, _ in combo)
+        output = tuple(o for _, o in combo)
+        if len({p.reduce_op for p in output if isinstance(p, Partial)}) > 1:
+            continue  # one tensor cannot be partial under two reduce ops
+        if not shards_ok(kind, shape, mesh_shape, inputs, dims):
+            continue
+        out.append(Sharding((inputs,), (output,) * num_outputs))
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# the rule
+# --------------------------------------------------------------------------------------------------
+
+
+@register(*REDUCTIONS)
+def reduction_rule(call: OpCall) -> list[Sharding]:
+    """Reductions and scans of one tensor: the table in the module docstring."""
+    (spec,) = call.specs
+    dims, keepdim = reduced_dims(call, spec.ndim)
+    num_outputs = len(call.op._schema.returns)
+    return reduction_shardings(
+        REDUCTIONS[call.op], spec.shape, spec.placements, spec.mesh.shape, dims, keepdim, num_outputs
+    )

@@ -21,6 +21,8 @@ from ..placements import Partial, Placement, Replicate, Shard
 from ..spec import DTensorSpec
 
 Placements = tuple[Placement, ...]
+# local_impl(local_args, local_kwargs, input_specs, output_specs) -> the op's local output(s)
+LocalImpl = Callable[[list, dict, tuple[DTensorSpec, ...], tuple[DTensorSpec | None, ...]], Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,10 +53,35 @@ class Sharding:
 
     inputs:  placements each DTensor input must have (flat order; None keeps the input as it is).
     outputs: placements of each tensor the op returns (flat pytree order); None for non-tensors.
+    local_op / local_args: how to run the op on the local tensors when the global call would be wrong
+        there (a size arg is global: `view(8, 4, 4)` of a (4, 16) shard). The local call is
+        `(local_op or op)(*local_args, **kwargs)`; in `local_args` a DTensorSpec stands for the local
+        tensor of the DTensor arg at that same position and LOCAL_SHAPE for this rank's shape of output 0.
+        None (default): the op's own positional args.
+    local_impl: a function run instead of the op on the local tensors, for ops whose local math
+        differs from the global one (vocabulary-sharded embedding masks out-of-range ids). Called as
+        `local_impl(local_args, local_kwargs, input_specs, output_specs)` with the specs the inputs
+        have after redistribution and the output specs; returns what the op would. It may issue
+        collectives, through `parallelisms/dtensor/collectives.py` only. None (default): the plain op.
     """
 
     inputs: tuple[Placements | None, ...]
     outputs: tuple[Placements | None, ...]
+    local_op: OpOverload | None = None
+    local_args: tuple[Any, ...] | None = None
+    local_impl: LocalImpl | None = None
+
+
+class LocalShape:
+    """Sentinel type of LOCAL_SHAPE (see `Sharding.local_args`)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "LOCAL_SHAPE"
+
+
+LOCAL_SHAPE = LocalShape()
 
 
 Rule = Callable[[OpCall], "Sharding | list[Sharding]"]
