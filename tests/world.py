@@ -34,6 +34,10 @@ import torch
 import torch.distributed as dist
 
 T = TypeVar("T")
+# The first op on meta tensors loads torch's meta kernels (~1.5 s, much more on a busy machine).
+# Load them once here, before any world forks, so every rank inherits them instead of loading
+# them on one thread each (the dispatcher runs ops on meta tensors to learn output shapes).
+torch.cat([torch.empty(1, device="meta")] * 2)
 _GRACE_S = 3.0  # after one rank fails, how long the others get to answer
 _KILL_WAIT_S = 1.0  # how long SIGTERM gets before SIGKILL
 
