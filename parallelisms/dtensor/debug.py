@@ -97,7 +97,7 @@ class CommDebugMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         if any(_defers_to_subclass(t) for t in types):
-            # A tensor-subclass op (our DTensor, torch's, ...): let the subclass run with this mode still active, so
+            # A DTensor op (ours or torch's): let the subclass run with this mode still active, so
             # the collectives it issues on local tensors come back here and are counted. Handling
             # it here would pop the mode and hide them (torch's CommDebugMode does the same).
             return NotImplemented
