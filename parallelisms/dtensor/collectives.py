@@ -30,7 +30,7 @@ def _pad_dim(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     return F.pad(t, pad)
 
 
-def _dist_op(reduce_op: str) -> dist.ReduceOp:
+def _dist_op(reduce_op: str) -> dist.ReduceOp.RedOpType:
     return _REDUCE_OPS["sum"] if norm_order(reduce_op) is not None else _REDUCE_OPS[reduce_op]
 
 

@@ -30,7 +30,6 @@ import itertools
 from collections.abc import Sequence
 from typing import NamedTuple
 
-import torch
 from torch.ops import aten
 
 from ..placements import Partial, Placement, Replicate, Shard, chunk_sizes
@@ -143,15 +142,15 @@ def input_target(name: str, spec: DTensorSpec, layout: Layout, query: DTensorSpe
     return R  # rng state, cumulative lengths: bookkeeping, replicated
 
 
-def output_placement(role: str | None, layout: Layout, bias: Placement | None) -> Placement | None:
-    if role is None:
-        return None
+def output_placement(role: str, layout: Layout, bias: Placement | None) -> Placement:
     if role in ("q", "lse"):
         return layout.q
     if role == "kv":  # sharded query rows: each rank's dk, dv sum over its rows only
         return PARTIAL_SUM if layout.queries else layout.kv
     if role == "bias":  # a bias broadcast over a sharded dim gets one term of its grad per rank
-        return bias if isinstance(bias, Shard) or not isinstance(layout.q, Shard) else PARTIAL_SUM
+        if isinstance(bias, Shard):
+            return bias
+        return PARTIAL_SUM if isinstance(layout.q, Shard) else R
     return R
 
 
@@ -187,10 +186,9 @@ def _sharding(call: OpCall, named, query: DTensorSpec, combo: Sequence[Layout]) 
     bias = next((targets for (n, _), targets in zip(named, inputs) if n in MASK), None)
     roles = OUTPUT_ROLES[call.op._schema.name.split("::")[1]]
     outputs = tuple(
-        None if role is None else tuple(
-            output_placement(role, layout, bias[m] if bias else None) for m, layout in enumerate(combo)
-        )
+        None
+        if role is None
+        else tuple(output_placement(role, layout, bias[m] if bias else None) for m, layout in enumerate(combo))
         for role in roles
     )
     return Sharding(inputs, outputs)
-

@@ -72,9 +72,7 @@ def lookup_options(weight: Placement, indices: Placement, out_ndim: int) -> list
 def embedding_rule(call: OpCall) -> list[Sharding]:
     """Product over mesh dims of `lookup_options`; masked on any mesh dim -> `masked_embedding`."""
     weight, indices = call.specs
-    per_dim = [
-        lookup_options(w, i, indices.ndim + 1) for w, i in zip(weight.placements, indices.placements)
-    ]
+    per_dim = [lookup_options(w, i, indices.ndim + 1) for w, i in zip(weight.placements, indices.placements)]
     return [_sharding(combo, masked_embedding) for combo in itertools.product(*per_dim)]
 
 
@@ -137,9 +135,7 @@ def embedding_backward_rule(call: OpCall) -> list[Sharding]:
     """Product over mesh dims of `scatter_options`; masked on any mesh dim -> the masked scatter."""
     grad, indices = call.specs
     by_freq = bool(_arg(call, 4, "scale_grad_by_freq"))
-    per_dim = [
-        scatter_options(g, i, indices.ndim, by_freq) for g, i in zip(grad.placements, indices.placements)
-    ]
+    per_dim = [scatter_options(g, i, indices.ndim, by_freq) for g, i in zip(grad.placements, indices.placements)]
     return [_sharding(combo, masked_embedding_backward) for combo in itertools.product(*per_dim)]
 
 
@@ -165,4 +161,4 @@ def masked_embedding_backward(local_args: list, local_kwargs: dict, input_specs,
 
 def _backward_args(local_args: list, local_kwargs: dict) -> list:
     names = ("grad_output", "indices", "num_weights", "padding_idx", "scale_grad_by_freq")
-    return [*local_args, *(local_kwargs[n] for n in names[len(local_args):])]
+    return [*local_args, *(local_kwargs[n] for n in names[len(local_args) :])]

@@ -30,9 +30,16 @@ from torch._ops import OpOverload
 from ..placements import Partial, Placement, Replicate, Shard, chunk_sizes, norm_reduce_op
 from ..spec import DTensorSpec
 from .pointwise import (
-    PartialRule, WRITE_ONLY, broadcast_shape, elementwise_candidates, identity, mixes_reduce_ops, num_tensor_outputs,
-    partial_rule_for, placements_str,
-)  # fmt: skip
+    WRITE_ONLY,
+    PartialRule,
+    broadcast_shape,
+    elementwise_candidates,
+    identity,
+    mixes_reduce_ops,
+    num_tensor_outputs,
+    partial_rule_for,
+    placements_str,
+)
 from .registry import OpCall, Placements, Sharding, register
 
 aten = torch.ops.aten
@@ -80,6 +87,7 @@ def reduction_candidates(
     A shard of a reduced dim turns into P(`becomes`); a Partial input passes if listed in `passes`;
     anything else is gathered. Kept dims stay sharded (shifted past the dropped dims).
     """
+
     def out_dim(d: int) -> int:
         return d if keepdim else d - sum(1 for r in dims if r < d)
 
@@ -161,8 +169,12 @@ def _partial_rule(base: str) -> PartialRule:
     return identity("self") if base == "clone" else partial_rule_for(base)
 
 
-def index_candidates(call: OpCall, i: int, base: str, names: dict[str, str]) -> tuple[list[DTensorSpec], list[Candidate], list[str]]:
-    """The DTensor operands of list index `i`, their candidates, and each operand's role."""
+def index_candidates(
+    call: OpCall, i: int, base: str, names: dict[str, str]
+) -> tuple[list[DTensorSpec], list[Candidate]]:
+    """The DTensor operands list index `i` reads (its own elements and the shared tensors) and their
+    candidates. Roles as in pointwise_rule: "out" lists are only written, "keep" lists are written
+    and read (they may not move), "shared" tensors must be Replicate."""
     inputs, in_names, written, roles = [], [], [], []
     static: dict[str, Any] = {}
     for arg, index, value in _slots(call):
@@ -197,7 +209,7 @@ def index_candidates(call: OpCall, i: int, base: str, names: dict[str, str]) -> 
     replicate = tuple(Replicate() for _ in range(call.mesh_ndim))
     shared = [j for j, r in enumerate(active) if r == "shared"]
     candidates = [c for c in candidates if all(c[1][j] == replicate for j in shared)]
-    return inputs, candidates, roles
+    return inputs, candidates
 
 
 def cheapest(inputs: Sequence[DTensorSpec], candidates: Sequence[Candidate]) -> Candidate:
@@ -224,17 +236,17 @@ def foreach_rule(call: OpCall) -> Sharding:
         if base in NORMS:
             chosen.append(cheapest([call.args[0][i]], _norm_candidates(call, base, i)))
             continue
-        inputs, candidates, _ = index_candidates(call, i, base, names)
+        inputs, candidates = index_candidates(call, i, base, names)
         if not candidates:
             raise RuntimeError(
                 f"{call.op}: list index {i} with placements {[placements_str(s.placements) for s in inputs]} cannot "
                 f"run without changing a tensor it writes; redistribute that tensor out of place first"
             )
         chosen.append(cheapest(inputs, candidates))
-    return _assemble(call, base, names, chosen)
+    return _assemble(call, base, chosen)
 
 
-def _assemble(call: OpCall, base: str, names: dict[str, str], chosen: list[Candidate]) -> Sharding:
+def _assemble(call: OpCall, base: str, chosen: list[Candidate]) -> Sharding:
     """Per flat DTensor input its required placements; per output tensor its placements."""
     replicate = tuple(Replicate() for _ in range(call.mesh_ndim))
     position = [0] * len(chosen)  # per list index: the next operand position in its candidate

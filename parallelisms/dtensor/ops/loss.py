@@ -41,10 +41,11 @@ LOCAL_IGNORE = -1  # shifted targets of owned classes are >= 0, so -1 never coll
 
 
 class Option(NamedTuple):
-    """One mesh dim's layout: kind ('rows', 'classes', 'partial', 'replicate'), x's placement."""
+    """One mesh dim's layout: kind ('rows', 'classes', 'partial', 'replicate'), x's and target's."""
 
     kind: str
     x: Placement
+    target: Placement
 
 
 def class_dim(x: DTensorSpec) -> int:
@@ -58,15 +59,15 @@ def target_dim(dim: int) -> int:
 
 def loss_options(x: Placement, target: Placement, cdim: int, partial_input: Placement) -> list[Option]:
     """Layouts on one mesh dim; `partial_input` is the linear input (x forward, grad_output backward)."""
-    options = [Option("replicate", R)]
+    options = [Option("replicate", R, R)]
     if isinstance(x, Shard) and x.dim != cdim:
-        options.append(Option("rows", x))
+        options.append(Option("rows", x, Shard(target_dim(x.dim))))
     elif isinstance(target, Shard):
-        options.append(Option("rows", Shard(target.dim if target.dim == 0 else target.dim + 1)))
+        options.append(Option("rows", Shard(target.dim if target.dim == 0 else target.dim + 1), target))
     if x == Shard(cdim):
-        options.append(Option("classes", x))
+        options.append(Option("classes", x, R))
     if partial_input == PARTIAL_SUM:
-        options.append(Option("partial", PARTIAL_SUM))
+        options.append(Option("partial", PARTIAL_SUM, R))
     return options
 
 
@@ -86,17 +87,19 @@ def nll_forward_rule(call: OpCall) -> list[Sharding]:
 
 def _forward_sharding(combo: tuple[Option, ...], n_inputs: int, reduction: int) -> Sharding:
     x = tuple(o.x for o in combo)
-    target = tuple(Shard(target_dim(o.x.dim)) if o.kind == "rows" else R for o in combo)
+    target = tuple(o.target for o in combo)
     weight = tuple(R for _ in combo)
     row_dims = tuple(m for m, o in enumerate(combo) if o.kind == "rows")
+    out: tuple[Placement, ...]
+    total: tuple[Placement, ...]
     if reduction == NONE:
-        out = tuple(t if o.kind == "rows" else _reduced(o) for o, t in zip(combo, target))
+        out = tuple(o.target if o.kind == "rows" else _reduced(o) for o in combo)
         total = tuple(R for _ in combo)
     else:
         out = tuple(_reduced(o) for o in combo)
         rows_partial = reduction == SUM  # mean all-reduces the total, sum leaves it partial
         total = tuple(PARTIAL_SUM if o.kind == "rows" and rows_partial else R for o in combo)
-    needs_impl = any(o.kind == "classes" for o in combo) or (reduction == MEAN and row_dims)
+    needs_impl = any(o.kind == "classes" for o in combo) or (reduction == MEAN and bool(row_dims))
     impl = functools.partial(nll_forward_impl, row_dims=row_dims) if needs_impl else None
     return Sharding((x, target, weight)[:n_inputs], (out, total), local_impl=impl)
 
@@ -129,7 +132,7 @@ def class_range(x_spec: DTensorSpec) -> tuple[int, int]:
 
 
 def _nll_args(local_args: list, local_kwargs: dict, names: tuple[str, ...]) -> list:
-    return [*local_args, *(local_kwargs[n] for n in names[len(local_args):])]
+    return [*local_args, *(local_kwargs[n] for n in names[len(local_args) :])]
 
 
 FORWARD_ARGS = ("self", "target", "weight", "reduction", "ignore_index")
@@ -171,19 +174,19 @@ def nll_backward_rule(call: OpCall) -> list[Sharding]:
     named = dict(named_specs(call))
     grad, x, target = named["grad_output"], named["self"], named["target"]
     reduction, cdim = arg(call, "reduction"), class_dim(x)
-    per_dim = [
-        loss_options(p, t, cdim, g) for p, t, g in zip(x.placements, target.placements, grad.placements)
-    ]
+    per_dim = [loss_options(p, t, cdim, g) for p, t, g in zip(x.placements, target.placements, grad.placements)]
     return [_backward_sharding(combo, named, reduction) for combo in itertools.product(*per_dim)]
 
 
 def _backward_sharding(combo: tuple[Option, ...], named: dict, reduction: int) -> Sharding:
-    target = tuple(Shard(target_dim(o.x.dim)) if o.kind == "rows" else R for o in combo)
+    target = tuple(o.target for o in combo)
+    grad: tuple[Placement, ...]
     if reduction == NONE:  # grad_output has the target's shape (one grad per row)
-        grad = tuple(t if o.kind == "rows" else o.x if o.kind == "partial" else R for o, t in zip(combo, target))
+        grad = tuple(o.target if o.kind == "rows" else o.x if o.kind == "partial" else R for o in combo)
     else:  # a scalar
         grad = tuple(PARTIAL_SUM if o.kind == "partial" else R for o in combo)
     x = tuple(R if o.kind == "partial" else o.x for o in combo)  # only x's shape is read
+    targets: dict[str, tuple[Placement, ...] | None]
     targets = {"grad_output": grad, "self": x, "target": target, "weight": tuple(R for _ in combo)}
     # the mean divides by the total: it must be the global one; otherwise total is not read
     targets["total_weight"] = tuple(R for _ in combo) if reduction == MEAN else None

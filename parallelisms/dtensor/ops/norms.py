@@ -5,6 +5,7 @@ These ops normalize each "row" of their input over some dims (the softmax dim; t
 
     input S(d), d not normalized   -> outputs S(d)     rows are independent (uneven shards too)
     input S(d), d normalized       -> gather to R      a row's statistics need the whole row
+                                                        (log_softmax: or stay sharded, below)
     input P                        -> gather to R      normalization is not linear
     norm weight / bias             -> R                they span the normalized dims
 
@@ -12,6 +13,11 @@ Backward ops take the forward's tensors (grad, output/input, mean, rstd) and mus
 common layout `c`. Their parameter gradients sum over the rows: `grad_weight = sum_rows(g * xhat)`,
 so a row-sharded `c` leaves each rank one term of that sum, P(sum). Every backward here is linear in
 the incoming grad, so a P(sum) grad with everything else Replicate gives P(sum) gradients.
+
+log_softmax over a sharded dim may instead stay sharded: it all-reduces each row's max and sum of
+exponentials (one value per row, Megatron's vocabulary-parallel cross-entropy), so the logits of a
+column-parallel output layer never gather; with nll_loss's class-sharded rule (loss.py) this is
+`loss_parallel`. Plain softmax keeps the simple rule (gather the dim).
 
 `F.rms_norm` and `nn.RMSNorm` decompose on CPU (torch 2.13) into pow / mean / add / rsqrt / mul
 (pointwise.py and reductions.py rules); `_fused_rms_norm(_backward)` is covered for backends that
@@ -25,8 +31,10 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterable, Sequence
 
+import torch
 from torch.ops import aten
 
+from .. import collectives
 from ..placements import Partial, Placement, Replicate, Shard
 from ..spec import DTensorSpec
 from .registry import LocalImpl, OpCall, Sharding, register
@@ -52,7 +60,7 @@ def arg(call: OpCall, name: str, default=None):
     raise KeyError(f"{call.op} has no argument {name!r}")
 
 
-def row_options(placements: Iterable[Placement], keeps: Callable[[Placement], bool]) -> list[Placement]:
+def row_options(placements: Iterable[Placement], keeps: Callable[[Shard], bool]) -> list[Placement]:
     """One mesh dim's choices for a common row layout: R, plus every legal shard an input has."""
     return [R] + list(dict.fromkeys(p for p in placements if isinstance(p, Shard) and keeps(p)))
 
@@ -68,12 +76,19 @@ def _normalized_dim(call: OpCall, ndim: int) -> int:
 
 
 @register(aten._softmax.default, aten._log_softmax.default, aten._safe_softmax.default)
-def softmax_rule(call: OpCall) -> Sharding:
-    """S(d) on a non-softmax dim stays; the softmax dim and Partial are gathered (R)."""
+def softmax_rule(call: OpCall) -> list[Sharding]:
+    """S(d) on a non-softmax dim stays; the softmax dim and Partial are gathered (R).
+
+    log_softmax may also keep its dim sharded (vocabulary-parallel, see `sharded_log_softmax`).
+    """
     (spec,) = call.specs
     dim = _normalized_dim(call, spec.ndim)
     target = tuple(p if isinstance(p, Shard) and p.dim != dim else R for p in spec.placements)
-    return Sharding((target,), (target,))
+    candidates = [Sharding((target,), (target,))]
+    if call.op == aten._log_softmax.default and Shard(dim) in spec.placements:
+        keep = tuple(p if isinstance(p, Shard) else R for p in spec.placements)
+        candidates.append(Sharding((keep,), (keep,), local_impl=sharded_log_softmax))
+    return candidates
 
 
 @register(aten._softmax_backward_data.default, aten._log_softmax_backward_data.default)
@@ -81,17 +96,69 @@ def softmax_backward_rule(call: OpCall) -> list[Sharding]:
     """grad and output share a layout that keeps the softmax dim whole.
 
     Both backwards are linear in grad (`y * (g - sum(g * y))`, `g - exp(y) * sum(g)`), so a
-    P(sum) grad with a Replicate output gives a P(sum) grad_input.
+    P(sum) grad with a Replicate output gives a P(sum) grad_input. log_softmax's backward may
+    keep its dim sharded (`sharded_log_softmax_backward`).
     """
     grad, output = call.specs
     dim = _normalized_dim(call, grad.ndim)
+    vocab_parallel = call.op == aten._log_softmax_backward_data.default
     per_dim = []
     for g, y in zip(grad.placements, output.placements):
         options = [(c, c, c) for c in row_options((g, y), lambda p: p.dim != dim)]
         if g in LINEAR_PARTIALS:
             options.append((g, R, g))
+        if vocab_parallel and Shard(dim) in (g, y):
+            options.append((Shard(dim),) * 3)
         per_dim.append(options)
-    return [_combine(combo, n_inputs=2) for combo in itertools.product(*per_dim)]
+    candidates = []
+    for combo in itertools.product(*per_dim):
+        sharding = _combine(combo, n_inputs=2)
+        if any(Shard(dim) == o[0] for o in combo):
+            sharding = Sharding(sharding.inputs, sharding.outputs, local_impl=sharded_log_softmax_backward)
+        candidates.append(sharding)
+    return candidates
+
+
+# Vocabulary-parallel log_softmax (Megatron's parallel cross-entropy): over a dim sharded on some
+# mesh dims, log_softmax(x) = x - (m + log(sum(exp(x - m)))) needs only the global row max m and
+# sum of exponentials, two all_reduces of one value per row, instead of gathering the rows.
+
+
+def _all_reduce_over(t: torch.Tensor, reduce_op: str, spec: DTensorSpec, mesh_dims: list[int]) -> torch.Tensor:
+    for m in mesh_dims:
+        t = collectives.all_reduce(t, reduce_op, spec.mesh.get_group(m), spec.mesh.size(m))
+    return t
+
+
+def _compute_dtype(t: torch.Tensor) -> torch.Tensor:
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
+def sharded_log_softmax(local_args: list, local_kwargs: dict, input_specs, output_specs) -> torch.Tensor:
+    """log_softmax over a sharded dim: all_reduce the row max, then the row sum of exp(x - max)."""
+    x, dim, _half_to_float = [*local_args, *local_kwargs.values()][:3]  # output dtype: output_specs
+    spec = input_specs[0]
+    dim = dim + x.ndim if dim < 0 else dim
+    mesh_dims = spec.shard_mesh_dims(dim)
+    xc = _compute_dtype(x)
+    if xc.shape[dim]:
+        local_max = xc.amax(dim, keepdim=True)
+    else:  # an empty shard of the dim holds no candidate for the max
+        local_max = xc.new_full((*xc.shape[:dim], 1, *xc.shape[dim + 1 :]), float("-inf"))
+    row_max = _all_reduce_over(local_max, "max", spec, mesh_dims)
+    shifted = xc - row_max
+    sum_exp = _all_reduce_over(shifted.exp().sum(dim, keepdim=True), "sum", spec, mesh_dims)
+    return (shifted - sum_exp.log()).to(output_specs[0].dtype)
+
+
+def sharded_log_softmax_backward(local_args: list, local_kwargs: dict, input_specs, output_specs) -> torch.Tensor:
+    """grad_input = g - exp(y) * sum(g) over a sharded dim: one all_reduce of the row sums of g."""
+    grad, output, dim, _input_dtype = [*local_args, *local_kwargs.values()][:4]
+    dim = dim + grad.ndim if dim < 0 else dim
+    spec = input_specs[0]
+    gc = _compute_dtype(grad)
+    row_sum = _all_reduce_over(gc.sum(dim, keepdim=True), "sum", spec, spec.shard_mesh_dims(dim))
+    return (gc - _compute_dtype(output).exp() * row_sum).to(output_specs[0].dtype)
 
 
 def _combine(combo: Sequence[tuple[Placement, ...]], n_inputs: int) -> Sharding:

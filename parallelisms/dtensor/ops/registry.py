@@ -63,6 +63,7 @@ class Sharding:
         `local_impl(local_args, local_kwargs, input_specs, output_specs)` with the specs the inputs
         have after redistribution and the output specs; returns what the op would. It may issue
         collectives, through `parallelisms/dtensor/collectives.py` only. None (default): the plain op.
+        Random ops (tagged nondeterministic_seeded) ignore it: random.run_seeded runs them.
     """
 
     inputs: tuple[Placements | None, ...]

@@ -76,10 +76,14 @@ def reachable(src: Placement, dst: Placement) -> bool:
     return not isinstance(dst, Partial) or src == dst or isinstance(src, Replicate)
 
 
-def partials(call: OpCall, reduce_ops: Sequence[str] = ("sum", "avg", "max", "min")) -> list[Partial]:
-    """The Partial placements some input has, restricted to `reduce_ops` (P rows are only useful then)."""
+def partials(call: OpCall, reduce_ops: Sequence[str] | None = None) -> list[Partial]:
+    """The Partial placements some input has, restricted to `reduce_ops` when given.
+
+    Ops that only move or select elements keep any elementwise reduce op (sum, avg, max, min and
+    the p-norms of clip_grad_norm_); ops that add elements restrict it.
+    """
     found = {p for s in call.specs for p in s.placements if isinstance(p, Partial)}
-    return sorted((p for p in found if p.reduce_op in reduce_ops), key=str)
+    return sorted((p for p in found if reduce_ops is None or p.reduce_op in reduce_ops), key=str)
 
 
 def expand(call: OpCall, rows: list[Row]) -> list[Sharding]:
@@ -134,7 +138,7 @@ def norm_dim(dim: int, ndim: int) -> int:
 
 
 def same_dim_rows(call: OpCall, ndim: int, names: Sequence[str], skip: set[int], num_outputs: int = 1,
-                  reduce_ops: Sequence[str] = ("sum", "avg", "max", "min")) -> list[Row]:
+                  reduce_ops: Sequence[str] | None = None) -> list[Row]:
     """R; S(d) for every dim d not in `skip` on all `names` and outputs; P(r) likewise."""
     rows = [Row({n: R for n in names}, (R,) * num_outputs)]
     rows += [Row({n: Shard(d) for n in names}, (Shard(d),) * num_outputs) for d in range(ndim) if d not in skip]
