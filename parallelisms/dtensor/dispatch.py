@@ -42,6 +42,8 @@ class Plan:
     local_args: tuple | None = None  # positional args of the local call; a DTensorSpec: that arg's local
     local_impl: LocalImpl | None = None  # runs instead of the local op (Sharding.local_impl)
     input_specs: tuple[DTensorSpec, ...] = ()  # input specs after redistribution, for local_impl
+    local_tensor_positions: tuple[int, ...] = ()  # where local_args holds a DTensorSpec placeholder
+    plain: bool = True  # the local op is the op itself, on the op's own args (no special case)
 
 
 PLANS: dict[tuple, Plan] = {}
@@ -68,18 +70,27 @@ def dispatch(op: OpOverload, args: tuple, kwargs: dict | None) -> Any:
             PLANS[key] = plan
     if plan.redistributes:
         local_args, local_kwargs = _redistribute_inputs(op, args, kwargs, dtensors, plan)
+    if plan.plain:
+        out = op(*local_args, **local_kwargs)
+    else:
+        out = _run_special(op, plan, local_args, local_kwargs)
+    if plan.returns == "new":
+        if type(out) is torch.Tensor:
+            return DTensor(out, plan.output_specs[0])
+        return _wrap(out, plan.output_specs)
+    return args[0] if plan.returns == "self" else kwargs["out"]
+
+
+def _run_special(op: OpOverload, plan: Plan, local_args: list, local_kwargs: dict) -> Any:
+    """Ops whose local call differs from the global one: local sizes, a local_impl, or RNG."""
     local_op = op
     if plan.local_op is not None or plan.local_args is not None:  # e.g. view sizes made local
         local_op, local_args = _local_call(op, plan, local_args)
     if plan.random:
-        out = random_ops.run_seeded(local_op, local_args, local_kwargs, plan.output_specs)
-    elif plan.local_impl is not None:
-        out = plan.local_impl(local_args, local_kwargs, plan.input_specs, plan.output_specs)
-    else:
-        out = local_op(*local_args, **local_kwargs)
-    if plan.returns == "new":
-        return _wrap(out, plan.output_specs)
-    return args[0] if plan.returns == "self" else kwargs["out"]
+        return random_ops.run_seeded(local_op, local_args, local_kwargs, plan.output_specs)
+    if plan.local_impl is not None:
+        return plan.local_impl(local_args, local_kwargs, plan.input_specs, plan.output_specs)
+    return local_op(*local_args, **local_kwargs)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -101,20 +112,31 @@ def _unwrap_one(op: OpOverload, a: Any, dtensors: list[DTensor]) -> tuple[Any, A
             f"distribute_tensor(t, mesh, placements) or DTensor.from_local(t, mesh, placements) first"
         )
     if isinstance(a, (list, tuple)):
-        if not a or not any(isinstance(x, torch.Tensor) for x in a):
-            return tuple(a), a
-        keys, locals_ = zip(*(_unwrap_one(op, x, dtensors) for x in a))
-        return tuple(keys), list(locals_)
+        for x in a:  # a plain loop: `any(genexpr)` costs a microsecond on every view(...) call
+            if isinstance(x, torch.Tensor):
+                keys, locals_ = zip(*(_unwrap_one(op, y, dtensors) for y in a))
+                return tuple(keys), list(locals_)
+        return tuple(a), a
     return a, a
+
+
+_INT = frozenset({int})
+_STATIC_TYPES = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout})
 
 
 def _unwrap_all(op: OpOverload, args: tuple, dtensors: list[DTensor]) -> tuple[tuple, list]:
     keys, locals_ = [], []
     for a in args:
-        if type(a) is DTensor:  # the common case, without the generic checks
+        if type(a) is DTensor:  # the common cases first, without the generic checks
             dtensors.append(a)
             keys.append(a._spec)
             locals_.append(a._local_tensor)
+        elif type(a) in _STATIC_TYPES:
+            keys.append(a)
+            locals_.append(a)
+        elif type(a) is list and _INT.issuperset(map(type, a)):  # sizes: view(8, 4, 4), sum([0])
+            keys.append(tuple(a))
+            locals_.append(a)
         else:
             k, local = _unwrap_one(op, a, dtensors)
             keys.append(k)
@@ -258,10 +280,13 @@ def _finish_plan(call: OpCall, choice: Sharding) -> Plan:
     )
     _check_mutation(op, call, specs, choice, output_specs)
     redistributes = any(t is not None and t != s.placements for s, t in zip(specs, choice.inputs))
+    local_args = _resolve_local_args(choice.local_args, output_specs)
     return Plan(
         tuple(choice.inputs), output_specs, redistributes, random_ops.is_random(op), _returns(op, call),
-        choice.local_op, _resolve_local_args(choice.local_args, output_specs),
+        choice.local_op, local_args,
         choice.local_impl, tuple(input_specs) if choice.local_impl is not None else (),
+        tuple(i for i, a in enumerate(local_args or ()) if isinstance(a, DTensorSpec)),
+        plain=choice.local_op is None and local_args is None and choice.local_impl is None and not random_ops.is_random(op),
     )
 
 
@@ -278,7 +303,10 @@ def _resolve_local_args(local_args: tuple | None, output_specs: tuple) -> tuple 
 def _local_call(op: OpOverload, plan: Plan, local_args: list) -> tuple[OpOverload, list]:
     """The op and positional args to run on this rank's local tensors."""
     if plan.local_args is not None:
-        local_args = [local_args[i] if isinstance(a, DTensorSpec) else a for i, a in enumerate(plan.local_args)]
+        args = list(plan.local_args)
+        for i in plan.local_tensor_positions:
+            args[i] = local_args[i]
+        local_args = args
     return plan.local_op or op, local_args
 
 
