@@ -1,4 +1,4 @@
-"""meshtrain's distributed tensor; public names mirror `torch.distributed.tensor`."""
+"""meshtrain's distributed tensor; public names and semantics mirror torch's DTensor (torch 2.13)."""
 
 from .device_mesh import DeviceMesh, init_device_mesh
 from .placements import Partial, Placement, Replicate, Shard

@@ -21,7 +21,7 @@ BACKEND_FOR_DEVICE = {"cpu": "gloo", "cuda": "nccl"}
 
 
 class DeviceMesh:
-    """N-D mesh of ranks. Mirrors `torch.distributed.device_mesh.DeviceMesh`.
+    """N-D mesh of ranks. Mirrors torch's DeviceMesh.
 
     Build the root with `init_device_mesh` (or `DeviceMesh(device_type, ranks, mesh_dim_names=...)`,
     which every rank must call in the same order since it creates process groups).

@@ -15,7 +15,7 @@ REDUCE_OPS = ("sum", "avg", "min", "max")  # plus "norm<p>" (p-norm partials, se
 
 
 class Placement:
-    """Base of Shard / Replicate / Partial; mirrors `torch.distributed.tensor.Placement`."""
+    """Base of Shard / Replicate / Partial; mirrors torch's DTensor Placement."""
 
     __slots__ = ()
 

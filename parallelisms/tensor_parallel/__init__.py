@@ -1,4 +1,4 @@
-"""Tensor and sequence parallelism on meshtrain's DTensor; mirrors `torch.distributed.tensor.parallel`."""
+"""Tensor and sequence parallelism on meshtrain's DTensor; names and defaults mirror torch's tensor parallel API."""
 
 from .api import parallelize_module
 from .input_reshard import input_reshard

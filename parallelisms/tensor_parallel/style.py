@@ -1,6 +1,5 @@
 """Parallel styles: how one module is sharded over a 1-D tensor-parallel mesh, and how its inputs
-and outputs are converted and redistributed. Names and defaults mirror
-`torch.distributed.tensor.parallel`.
+and outputs are converted and redistributed. Names and defaults mirror torch's tensor parallel API.
 
     ColwiseParallel   Linear weight S(0) (+ bias S(0)), Embedding weight S(1); input R, output S(-1)
     RowwiseParallel   Linear weight S(1) (bias R),     Embedding weight S(0); input S(-1), output R
