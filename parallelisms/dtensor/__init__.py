@@ -1,10 +1,19 @@
 """meshtrain's distributed tensor; public names and semantics mirror torch's DTensor (torch 2.13)."""
 
+from torch.optim.optimizer import _foreach_supported_types as _optim_foreach_types
+from torch.utils._foreach_utils import _foreach_supported_types as _util_foreach_types
+
+from . import dispatch as _dispatch  # noqa: F401  (registers every op rule before the first DTensor op)
 from .device_mesh import DeviceMesh, init_device_mesh
-from .placements import Partial, Placement, Replicate, Shard
 from .dtensor import DTensor, distribute_module, distribute_tensor
 from .factories import empty, full, ones, rand, randn, zeros
-from . import dispatch as _dispatch  # noqa: F401  (binds __torch_dispatch__ and registers op rules)
+from .placements import Partial, Placement, Replicate, Shard
+
+# torch.optim and clip_grad_norm_ take their fast foreach paths only for tensor types on these lists
+# (torch's own DTensor registers itself the same way); our foreach rules keep those paths sharded.
+for _types in (_optim_foreach_types, _util_foreach_types):
+    if DTensor not in _types:
+        _types.append(DTensor)
 
 __all__ = [
     "DTensor",

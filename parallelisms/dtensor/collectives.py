@@ -128,9 +128,7 @@ def broadcast(tensor: torch.Tensor, group: ProcessGroup, group_src: int) -> torc
     return tensor
 
 
-def scatter_chunks(
-    tensor: torch.Tensor, dim: int, group: ProcessGroup, index: int, group_src: int
-) -> torch.Tensor:
+def scatter_chunks(tensor: torch.Tensor, dim: int, group: ProcessGroup, index: int, group_src: int) -> torch.Tensor:
     """Chunk `tensor` along `dim` on the source rank and send rank r its chunk r.
 
     Only the source's `tensor` is read; the others need only the same shape.
@@ -154,3 +152,30 @@ def all_gather_object(obj: object, group: ProcessGroup) -> list[object]:
     out: list[object] = [None] * group.size()
     dist.all_gather_object(out, obj, group=group)
     return out
+
+
+def all_gather_flat(local: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Every rank's 1-D `local` (all of the same numel), concatenated rank-major: (n * numel,).
+
+    FSDP packs a whole parameter group's padded shards into `local`, so one call unshards the group.
+    """
+    assert local.ndim == 1, f"all_gather_flat takes a 1-D buffer, got shape {tuple(local.shape)}"
+    local = local.contiguous()
+    out = local.new_empty(group.size() * local.numel())
+    dist.all_gather_single(out, local, group=group)
+    return out
+
+
+def reduce_scatter_flat(flat: torch.Tensor, reduce_op: str, group: ProcessGroup) -> torch.Tensor:
+    """Reduce the rank-major 1-D `flat` (n * k,) over the group and keep this rank's chunk: (k,).
+
+    `reduce_op` is "sum" or "avg" (a SUM then a division, since gloo has no AVG).
+    """
+    n = group.size()
+    assert flat.ndim == 1 and flat.numel() % n == 0, f"reduce_scatter_flat needs a 1-D buffer divisible by {n}"
+    if reduce_op not in ("sum", "avg"):
+        raise ValueError(f"reduce_scatter_flat supports reduce_op 'sum' or 'avg', got {reduce_op!r}")
+    flat = flat.contiguous()
+    out = flat.new_empty(flat.numel() // n)
+    dist.reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=group)
+    return out.div_(n) if reduce_op == "avg" else out

@@ -1,0 +1,92 @@
+"""ParamGroup: the parameters one fully_shard call manages, moved with one collective each way.
+
+Unshard: every parameter's padded shard goes into one flat buffer (the same offsets on every rank),
+one all-gather returns `(world, group_numel)` rank-major, and each parameter copies its column
+block `[:, offset : offset + slot]` into its unsharded storage. Reduce: every gradient is chunked
+and padded to `(world, slot)` the same way, the blocks are concatenated column-wise into one
+`(world, group_numel)` buffer, one reduce-scatter averages it over the mesh, and each parameter
+takes its `slot` of the result as its sharded gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from parallelisms.dtensor import DeviceMesh, collectives
+
+from .param import FSDPParam
+from .policy import MixedPrecisionPolicy
+
+
+class ParamGroup:
+    """The FSDPParams of one fully_shard call, with the collectives that move them."""
+
+    def __init__(self, params: list[FSDPParam], mesh: DeviceMesh, policy: MixedPrecisionPolicy) -> None:
+        self.params = params
+        self.mesh = mesh
+        self.policy = policy
+        self.is_unsharded = False
+        self.offsets: list[int] = []
+        total = 0
+        for p in params:
+            self.offsets.append(total)
+            total += p.slot_numel
+        self.group_numel = total  # per-rank elements in the flat all-gather / reduce-scatter buffers
+        self._waiting: set[int] = set()  # indices of params whose grad this backward has not produced
+
+    # ------------------------------------------------------------------------------ parameters
+    def unshard(self) -> None:
+        """All-gather the group (one collective) and register the unsharded parameters."""
+        if self.is_unsharded or not self.params:
+            return
+        inputs = [t for p in self.params for t in p.all_gather_inputs()]
+        flat = torch.cat(inputs)  # (group_numel,)  this rank's padded shards
+        if self.policy.param_dtype is not None:
+            flat = flat.to(self.policy.param_dtype)
+        gathered = collectives.all_gather_flat(flat, self.mesh.get_group(0))
+        per_rank = gathered.view(self.mesh.size(), self.group_numel)  # (world, group_numel)
+        for p, offset in zip(self.params, self.offsets):
+            p.fill_unsharded(per_rank[:, offset : offset + p.slot_numel])
+            assert p.unsharded is not None
+            p.register(p.unsharded)
+        self.is_unsharded = True
+        self._waiting = {i for i, p in enumerate(self.params) if p.requires_grad}
+
+    def reshard(self) -> None:
+        """Register the sharded parameters again and free the unsharded data."""
+        if not self.is_unsharded:
+            return
+        for p in self.params:
+            p.register(p.sharded)
+            p.free_unsharded()
+        self.is_unsharded = False
+
+    # ------------------------------------------------------------------------------ gradients
+    def grad_ready(self, param: FSDPParam) -> bool:
+        """Note that `param`'s unsharded grad is complete; True once every param that needs one has it."""
+        self._waiting.discard(self.params.index(param))
+        return not self._waiting
+
+    def reduce_grads(self) -> None:
+        """Reduce-scatter (average) every unsharded grad in one collective into the sharded grads.
+
+        Parameters that got no gradient are left out (their sharded `.grad` is untouched); which
+        ones those are must agree across ranks, as in torch.
+        """
+        reduce_dtype = self.policy.reduce_dtype
+        pending = [(p, g) for p in self.params if (g := p.take_unsharded_grad(reduce_dtype)) is not None]
+        if not pending:
+            return
+        blocks = [p.reduce_scatter_input(g) for p, g in pending]  # each (world, slot)
+        dtype = blocks[0].dtype
+        flat = torch.cat([b.to(dtype) for b in blocks], dim=1)  # (world, numel of these slots)
+        reduced = collectives.reduce_scatter_flat(flat.reshape(-1), "avg", self.mesh.get_group(0))
+        offset = 0
+        for p, _ in pending:
+            p.accumulate_sharded_grad(reduced[offset : offset + p.slot_numel])
+            offset += p.slot_numel
+
+    def stash_grads(self) -> None:
+        """No sync this backward: keep each unsharded grad for the next synced backward."""
+        for p in self.params:
+            p.stash_unsharded_grad(self.policy.reduce_dtype)

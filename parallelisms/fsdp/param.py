@@ -1,0 +1,158 @@
+"""FSDPParam: one parameter's two forms under fully_shard, and its slot in the group's flat buffers.
+
+Sharded form: an `nn.Parameter` wrapping a DTensor placed `Shard(0)` on a 1-D mesh; its local tensor
+is exactly this rank's `torch.chunk` piece (uneven dim 0 leaves short or empty trailing shards). The
+optimizer and the state dict only ever see this form.
+
+Unsharded form: a plain leaf `nn.Parameter` of the global shape, created once and kept for the life
+of the module. Its storage is padded to `n * rows` rows (`rows` = the largest chunk) so that the
+all-gather output of every rank copies in with a single strided copy, and it is freed between uses by
+resizing the storage to 0 bytes. Keeping the *same* tensor matters: autograd saved it (and views of
+it, e.g. `weight.t()` in linear) during forward, so backward must find the data back in that very
+storage after the pre-backward re-gather. Refilling it does not bump the version counter
+(`_unsafe_preserve_version_counter`), otherwise autograd would report an in-place modification.
+
+Slot: in the group's flat buffers every rank contributes `rows * row_numel` elements per parameter
+(its shard flattened and zero-padded), so buffer offsets are identical on every rank.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import cast
+
+import torch
+import torch.nn as nn
+
+from parallelisms.dtensor import DeviceMesh, DTensor, Shard
+
+
+class FSDPParam:
+    """One managed parameter: where it is registered, its sharded and unsharded forms."""
+
+    def __init__(self, owners: list[tuple[nn.Module, str]], param: nn.Parameter, mesh: DeviceMesh) -> None:
+        self.owners = owners  # (module, attribute name) pairs; several when a parameter is shared
+        self.mesh = mesh
+        self.world = mesh.size()
+        self.global_shape = param.shape
+        dim0 = param.shape[0]
+        self.rows = -(-dim0 // self.world)  # the largest torch.chunk piece along dim 0
+        self.row_numel = math.prod(param.shape[1:])
+        self.slot_numel = self.rows * self.row_numel  # this parameter's per-rank span in flat buffers
+        local = _local_chunk(param.detach(), self.world, mesh.get_local_rank(), _mesh_device(mesh))
+        self.local_numel = local.numel()
+        sharded = DTensor.from_local(local, mesh, [Shard(0)], shape=param.shape, stride=_contiguous_stride(param.shape))
+        self.sharded = nn.Parameter(sharded, requires_grad=param.requires_grad)
+        self.unsharded: nn.Parameter | None = None  # built at the first unshard, in the gather dtype
+        self._padded: torch.Tensor | None = None  # (world * rows, *rest) storage behind `unsharded`
+        self._zeros = local.new_zeros(self.slot_numel - self.local_numel)  # pads the all-gather input
+        self.accumulated_grad: torch.Tensor | None = None  # unsynced grads (set_requires_gradient_sync)
+        self.on_grad_ready: Callable[[FSDPParam], None] | None = None  # set by the owning group
+
+    def local_shard(self) -> torch.Tensor:
+        """This rank's torch.chunk piece of the sharded parameter (what the optimizer updates)."""
+        return cast(DTensor, self.sharded).to_local()
+
+    @property
+    def requires_grad(self) -> bool:
+        return self.sharded.requires_grad
+
+    # ------------------------------------------------------------------------------ all-gather side
+    def all_gather_inputs(self) -> list[torch.Tensor]:
+        """This rank's shard flattened, then its zero padding: `slot_numel` elements together."""
+        local = self.local_shard().detach().reshape(-1)  # (local_numel,)
+        return [local, self._zeros] if self._zeros.numel() else [local]
+
+    def fill_unsharded(self, gathered: torch.Tensor) -> None:
+        """Copy this parameter's slot of every rank, `gathered` (world, slot_numel), into the
+        unsharded storage (allocating it first). Rows past dim 0 are the padding and stay hidden."""
+        if self.unsharded is None or self._padded is None or self._padded.dtype != gathered.dtype:
+            self._build_unsharded(gathered.dtype, gathered.device)
+        assert self._padded is not None and self.unsharded is not None
+        storage = self._padded.untyped_storage()
+        if storage.size() == 0:
+            storage.resize_(self._padded.numel() * self._padded.element_size())
+        # The refill must not look like an in-place edit to the tensors autograd saved in forward.
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.unsharded):
+            self._padded.view(self.world, self.slot_numel).copy_(gathered)
+
+    def _build_unsharded(self, dtype: torch.dtype, device: torch.device) -> None:
+        padded = torch.empty(self.world * self.rows, *self.global_shape[1:], dtype=dtype, device=device)
+        self._padded = padded
+        self.unsharded = nn.Parameter(padded[: self.global_shape[0]], requires_grad=self.requires_grad)
+        if self.requires_grad and self.on_grad_ready is not None:
+            on_grad_ready = self.on_grad_ready
+            self.unsharded.register_post_accumulate_grad_hook(lambda _: on_grad_ready(self))
+
+    def free_unsharded(self) -> None:
+        """Release the unsharded data (the tensor object survives for autograd's saved references)."""
+        if self._padded is not None:
+            self._padded.untyped_storage().resize_(0)
+
+    # ------------------------------------------------------------------------------ registration
+    def register(self, form: torch.Tensor) -> None:
+        """Make every owner module see `form` under the parameter's name. Writing `_parameters`
+        directly skips `__setattr__`'s checks and keeps the name a parameter (not a plain attribute),
+        so module code, `named_parameters()` and state-dict hooks keep working in both states."""
+        for module, name in self.owners:
+            module._parameters[name] = form  # type: ignore[assignment]
+
+    # ------------------------------------------------------------------------------ gradient side
+    def take_unsharded_grad(self, reduce_dtype: torch.dtype | None) -> torch.Tensor | None:
+        """The unsharded gradient (plus unsynced accumulations), in `reduce_dtype`; clears it."""
+        grad = None if self.unsharded is None else self.unsharded.grad
+        if self.unsharded is not None:
+            self.unsharded.grad = None
+        if grad is not None and reduce_dtype is not None:
+            grad = grad.to(reduce_dtype)
+        if self.accumulated_grad is not None:
+            grad = self.accumulated_grad if grad is None else self.accumulated_grad.add_(grad)
+            self.accumulated_grad = None
+        return grad
+
+    def stash_unsharded_grad(self, reduce_dtype: torch.dtype | None) -> None:
+        """No gradient sync this backward: keep the unsharded grad (in `reduce_dtype`) for later."""
+        grad = self.take_unsharded_grad(reduce_dtype)
+        if grad is not None:
+            self.accumulated_grad = grad
+
+    def reduce_scatter_input(self, grad: torch.Tensor) -> torch.Tensor:
+        """(world, slot_numel): row r is rank r's chunk of `grad`, flattened and zero-padded."""
+        flat = grad.reshape(-1)  # (global numel,)
+        missing = self.world * self.slot_numel - flat.numel()
+        if missing:
+            flat = torch.cat([flat, flat.new_zeros(missing)])
+        return flat.view(self.world, self.slot_numel)
+
+    def accumulate_sharded_grad(self, reduced: torch.Tensor) -> None:
+        """Add this rank's reduced slot (slot_numel,) to the sharded parameter's DTensor grad."""
+        local = self.local_shard()
+        local_grad = reduced[: self.local_numel].view(local.shape).to(local.dtype)
+        if self.sharded.grad is None:
+            self.sharded.grad = DTensor.from_local(
+                local_grad, self.mesh, [Shard(0)], shape=self.global_shape, stride=self.sharded.stride()
+            )
+        else:
+            cast(DTensor, self.sharded.grad).to_local().add_(local_grad)
+
+
+def _local_chunk(full: torch.Tensor, world: int, index: int, device: torch.device) -> torch.Tensor:
+    """This rank's `torch.chunk` piece of dim 0, as a new contiguous tensor on `device`."""
+    chunks = torch.chunk(full, world, dim=0) if full.shape[0] else ()
+    piece = chunks[index] if index < len(chunks) else full.narrow(0, 0, 0)
+    return piece.to(device).clone(memory_format=torch.contiguous_format)
+
+
+def _mesh_device(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(stride))
