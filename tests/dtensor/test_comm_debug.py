@@ -12,7 +12,7 @@ from torch.distributed.tensor.debug import CommDebugMode as TorchCommDebugMode
 
 from parallelisms.dtensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from parallelisms.dtensor.debug import CommDebugMode
-from tests.dtensor.harness import get_mesh, get_torch_mesh
+from tests.dtensor.harness import get_mesh, get_torch_mesh, to_torch_placements
 from tests.world import run_world
 
 F = "c10d_functional."
@@ -125,17 +125,6 @@ def test_comm_debug_mode_keys_functional_collectives_exactly_like_torch():
 # --------------------------------------------------------------------------------------------------
 
 
-def to_torch(placements) -> list:
-    return [
-        tdt.Shard(p.dim)
-        if isinstance(p, Shard)
-        else tdt.Partial(p.reduce_op)
-        if isinstance(p, Partial)
-        else tdt.Replicate()
-        for p in placements
-    ]
-
-
 def dtensor_redistribute_counts() -> list[tuple]:
     mesh, tmesh = get_mesh((4,)), get_torch_mesh((4,))
     t = torch.arange(40, dtype=torch.float32).view(10, 4)  # uneven: rows 3, 3, 3, 1
@@ -150,15 +139,15 @@ def dtensor_redistribute_counts() -> list[tuple]:
     ):
         if isinstance(src[0], Partial):
             x = DTensor.from_local(t.clone(), mesh, src)
-            tx = tdt.DTensor.from_local(t.clone(), tmesh, to_torch(src))
+            tx = tdt.DTensor.from_local(t.clone(), tmesh, to_torch_placements(src))
         else:
-            x, tx = distribute_tensor(t, mesh, src), tdt.distribute_tensor(t, tmesh, to_torch(src))
+            x, tx = distribute_tensor(t, mesh, src), tdt.distribute_tensor(t, tmesh, to_torch_placements(src))
         theirs, ours = both_modes()
         with theirs, ours:
             x.redistribute(mesh, dst)
         torch_theirs, torch_ours = both_modes()
         with torch_theirs, torch_ours:
-            tx.redistribute(tmesh, to_torch(dst))
+            tx.redistribute(tmesh, to_torch_placements(dst))
         out.append(
             (
                 str(src[0]),

@@ -10,29 +10,8 @@ from torch import nn
 
 from parallelisms.dtensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from parallelisms.dtensor.debug import CommDebugMode
-from tests.dtensor.harness import get_mesh, get_torch_mesh
+from tests.dtensor.harness import chunk_local, get_mesh, get_torch_mesh, to_torch_placements
 from tests.world import run_world
-
-
-def to_torch(placements) -> list:
-    return [
-        tdt.Shard(p.dim)
-        if isinstance(p, Shard)
-        else tdt.Partial(p.reduce_op)
-        if isinstance(p, Partial)
-        else tdt.Replicate()
-        for p in placements
-    ]
-
-
-def chunk_local(t: torch.Tensor, mesh_shape, coordinate, placements) -> torch.Tensor:
-    """The shard of `t` at `coordinate`: torch.chunk per sharding mesh dim, in mesh order."""
-    for m, p in enumerate(placements):
-        if isinstance(p, Shard):
-            chunks = t.chunk(mesh_shape[m], dim=p.dim)
-            i = coordinate[m]
-            t = chunks[i] if i < len(chunks) else t.narrow(p.dim, t.shape[p.dim], 0)
-    return t.contiguous()
 
 
 def global_tensor(shape, seed: int = 0) -> torch.Tensor:
@@ -65,7 +44,7 @@ def from_local_uneven_cases() -> None:
         t = global_tensor(shape)
         local = chunk_local(t, mesh_shape, tmesh.get_coordinate(), placements)
         ours = DTensor.from_local(local, mesh, placements, shape=shape, stride=t.stride())
-        theirs = tdt.DTensor.from_local(local, tmesh, to_torch(placements), shape=shape, stride=t.stride())
+        theirs = tdt.DTensor.from_local(local, tmesh, to_torch_placements(placements), shape=shape, stride=t.stride())
         assert ours.shape == theirs.shape == t.shape and ours.stride() == theirs.stride() == t.stride()
         assert ours.to_local() is local or torch.equal(ours.to_local(), local)
         assert torch.equal(ours.full_tensor(), t) and torch.equal(theirs.full_tensor(), t)
@@ -89,7 +68,7 @@ def from_local_infers_even_shape_and_stride() -> None:
     ):
         for local in (torch.randn(2, 3), torch.randn(3, 2).t(), torch.randn(2, 3, 4).permute(2, 0, 1)):
             ours = DTensor.from_local(local, mesh, placements)
-            theirs = tdt.DTensor.from_local(local, tmesh, to_torch(placements))
+            theirs = tdt.DTensor.from_local(local, tmesh, to_torch_placements(placements))
             assert ours.shape == theirs.shape, (placements, ours.shape, theirs.shape)
             assert ours.stride() == theirs.stride(), (placements, local.stride(), ours.stride(), theirs.stride())
             assert ours.placements == tuple(placements)
@@ -136,7 +115,7 @@ def run_check_broadcasts_replicas() -> None:
     for placements in ([Replicate(), Replicate()], [Replicate(), Shard(0)], [Shard(0), Replicate()]):
         local = torch.full((2, 3), float(rank))
         ours = DTensor.from_local(local.clone(), mesh, placements, run_check=True)
-        theirs = tdt.DTensor.from_local(local.clone(), tmesh, to_torch(placements), run_check=True)
+        theirs = tdt.DTensor.from_local(local.clone(), tmesh, to_torch_placements(placements), run_check=True)
         assert torch.equal(ours._local_tensor, theirs._local_tensor), (placements, rank)
     # a leaf that requires grad can be checked (and synced) too, and stays differentiable
     leaf = torch.full((2, 3), float(rank), requires_grad=True)
@@ -222,7 +201,7 @@ def distribute_from_source_rank(src_data_rank: int) -> None:
                 continue
             mesh, tmesh = get_mesh(mesh_shape), get_torch_mesh(mesh_shape)
             ours = distribute_tensor(mine, mesh, placements, src_data_rank=src_data_rank)
-            theirs = tdt.distribute_tensor(mine, tmesh, to_torch(placements), src_data_rank=src_data_rank)
+            theirs = tdt.distribute_tensor(mine, tmesh, to_torch_placements(placements), src_data_rank=src_data_rank)
             what = (shape, mesh_shape, placements)
             assert torch.equal(ours._local_tensor, theirs._local_tensor), what
             assert ours._local_tensor.is_contiguous() and ours.shape == good.shape, what
@@ -247,7 +226,7 @@ def distribute_locally() -> None:
             with CommDebugMode() as mode:
                 ours = distribute_tensor(mine, mesh, placements, src_data_rank=None)
             assert mode.get_total_counts() == 0, mode.get_comm_counts()
-            theirs = tdt.distribute_tensor(mine, tmesh, to_torch(placements), src_data_rank=None)
+            theirs = tdt.distribute_tensor(mine, tmesh, to_torch_placements(placements), src_data_rank=None)
             assert torch.equal(ours._local_tensor, theirs._local_tensor), (shape, placements)
             if not any(isinstance(p, Partial) for p in placements):
                 expected = chunk_local(mine, mesh_shape, tmesh.get_coordinate(), placements)

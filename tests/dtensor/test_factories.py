@@ -12,23 +12,13 @@ import torch.distributed.tensor as tdt
 import parallelisms.dtensor as md
 from parallelisms.dtensor import DTensor, Replicate, Shard
 from parallelisms.dtensor.debug import CommDebugMode
-from tests.dtensor.harness import get_mesh, get_torch_mesh
+from tests.dtensor.harness import chunk_local, get_mesh, get_torch_mesh, to_torch_placements
 from tests.world import run_world
-
-
-def to_torch(placements) -> list:
-    return [tdt.Shard(p.dim) if isinstance(p, Shard) else tdt.Replicate() for p in placements]
 
 
 def chunk_shape(shape, mesh_shape, coordinate, placements) -> tuple[int, ...]:
     """Local shape from torch.chunk per sharding mesh dim, in mesh order."""
-    t = torch.empty(shape)
-    for m, p in enumerate(placements):
-        if isinstance(p, Shard):
-            chunks = t.chunk(mesh_shape[m], dim=p.dim)
-            i = coordinate[m]
-            t = chunks[i] if i < len(chunks) else t.narrow(p.dim, t.shape[p.dim], 0)
-    return tuple(t.shape)
+    return tuple(chunk_local(torch.empty(shape), mesh_shape, coordinate, placements).shape)
 
 
 def placements_for(mesh_ndim: int) -> list[tuple]:
@@ -47,7 +37,7 @@ def constant_factories() -> None:
         coordinate = tmesh.get_coordinate()
         for shape, placements in itertools.product(((5, 3), (3, 2), (8, 4), (2, 9)), placements_for(len(mesh_shape))):
             local_shape = chunk_shape(shape, mesh_shape, coordinate, placements)
-            torch_local = tdt.zeros(*shape, device_mesh=tmesh, placements=to_torch(placements))._local_tensor
+            torch_local = tdt.zeros(*shape, device_mesh=tmesh, placements=to_torch_placements(placements))._local_tensor
             assert local_shape == tuple(torch_local.shape)
             with CommDebugMode() as mode:
                 made = {

@@ -22,29 +22,13 @@ from parallelisms.dtensor.placements import (
     local_shape_and_offset,
     normalize_placements,
 )
+from tests.dtensor.harness import chunk_local, to_torch_placements
 
 
 def torch_chunk_lengths(size: int, num_chunks: int) -> list[int]:
     """Lengths of torch.chunk's pieces, padded with empty trailing chunks to `num_chunks`."""
     pieces = [c.shape[0] for c in torch.empty(size).chunk(num_chunks)] if size else []
     return pieces + [0] * (num_chunks - len(pieces))
-
-
-def nested_chunk(t: torch.Tensor, mesh_shape, coordinate, placements) -> torch.Tensor:
-    """The shard at `coordinate`: torch.chunk along each sharding mesh dim, in mesh order."""
-    for m, p in enumerate(placements):
-        if isinstance(p, Shard):
-            chunks = t.chunk(mesh_shape[m], dim=p.dim)
-            i = coordinate[m]
-            t = chunks[i] if i < len(chunks) else t.narrow(p.dim, t.shape[p.dim], 0)
-    return t
-
-
-def to_torch(placements) -> list:
-    return [
-        TorchShard(p.dim) if isinstance(p, Shard) else TorchPartial() if isinstance(p, Partial) else TorchReplicate()
-        for p in placements
-    ]
 
 
 def random_cases(seed: int, count: int):
@@ -99,14 +83,14 @@ def test_local_shape_and_offset_match_torch_chunk_for_random_meshes_up_to_3d():
         global_t = torch.arange(math.prod(shape)).reshape(shape) if shape else torch.tensor(0)
         for coordinate in itertools.product(*(range(n) for n in mesh_shape)):
             local_shape, offset = local_shape_and_offset(shape, mesh_shape, coordinate, placements)
-            expected = nested_chunk(global_t, mesh_shape, coordinate, placements)
+            expected = chunk_local(global_t, mesh_shape, coordinate, placements)
             assert local_shape == tuple(expected.shape), (shape, mesh_shape, placements, coordinate)
             if expected.numel():  # the offset is where the shard's first element sits globally
                 first = expected.reshape(-1)[0].item()
                 want = tuple(int(i) for i in torch.unravel_index(torch.tensor(first), shape))
                 assert offset == want, (shape, mesh_shape, placements, coordinate)
             torch_shape, torch_offset = _compute_local_shape_and_global_offset(
-                shape, mesh_shape, list(coordinate), to_torch(placements)
+                shape, mesh_shape, list(coordinate), to_torch_placements(placements)
             )
             assert (local_shape, offset) == (tuple(torch_shape), tuple(torch_offset)), (
                 shape,

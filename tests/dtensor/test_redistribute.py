@@ -21,7 +21,7 @@ from torch.distributed.tensor.debug import CommDebugMode as TorchCommDebugMode
 
 from parallelisms.dtensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from parallelisms.dtensor.debug import CommDebugMode
-from tests.dtensor.harness import get_mesh, get_torch_mesh
+from tests.dtensor.harness import assert_no_failures, chunk_local, get_mesh, get_torch_mesh, to_torch_placements
 from tests.world import run_world
 
 PLACEMENTS = (Replicate(), Shard(0), Shard(1), Partial())
@@ -34,19 +34,6 @@ ALL_GATHER = "c10d_functional.all_gather_into_tensor"
 # --------------------------------------------------------------------------------------------------
 # oracles built from torch only
 # --------------------------------------------------------------------------------------------------
-
-
-def to_torch(placements) -> list:
-    """Our placements as torch.distributed.tensor placements."""
-    out = []
-    for p in placements:
-        if isinstance(p, Shard):
-            out.append(tdt.Shard(p.dim))
-        elif isinstance(p, Partial):
-            out.append(tdt.Partial(p.reduce_op))
-        else:
-            out.append(tdt.Replicate())
-    return out
 
 
 def from_torch(placements) -> tuple:
@@ -65,16 +52,6 @@ def from_torch(placements) -> tuple:
 def torch_coordinate(mesh_shape) -> list[int]:
     """This rank's coordinate on a row-major mesh, from torch's own DeviceMesh."""
     return get_torch_mesh(mesh_shape).get_coordinate()
-
-
-def chunk_local(t: torch.Tensor, mesh_shape, coordinate, placements) -> torch.Tensor:
-    """The shard of `t` at `coordinate`: `torch.chunk` per sharding mesh dim, in mesh order."""
-    for m, p in enumerate(placements):
-        if isinstance(p, Shard):
-            chunks = t.chunk(mesh_shape[m], dim=p.dim)
-            index = coordinate[m]
-            t = chunks[index] if index < len(chunks) else t.narrow(p.dim, t.shape[p.dim], 0)
-    return t.contiguous()
 
 
 def int_tensor(shape, seed: int, dtype=torch.float32, low: int = -4, high: int = 5) -> torch.Tensor:
@@ -105,14 +82,14 @@ def build_pair(global_t: torch.Tensor, mesh_shape, placements, seed: int):
     if not any(isinstance(p, Partial) for p in placements):
         return (
             distribute_tensor(global_t, mesh, placements),
-            tdt.distribute_tensor(global_t, tmesh, to_torch(placements)),
+            tdt.distribute_tensor(global_t, tmesh, to_torch_placements(placements)),
         )
     coordinate = torch_coordinate(mesh_shape)
     addend = partial_contribution(global_t, mesh_shape, coordinate, placements, seed)
     local = chunk_local(addend, mesh_shape, coordinate, placements)
     shape, stride = global_t.shape, global_t.stride()
     ours = DTensor.from_local(local.clone(), mesh, placements, shape=shape, stride=stride)
-    theirs = tdt.DTensor.from_local(local.clone(), tmesh, to_torch(placements), shape=shape, stride=stride)
+    theirs = tdt.DTensor.from_local(local.clone(), tmesh, to_torch_placements(placements), shape=shape, stride=stride)
     return ours, theirs
 
 
@@ -121,7 +98,7 @@ def torch_redistribute(t: tdt.DTensor, tmesh, placements) -> tdt.DTensor:
     autograd Function that the public API itself calls."""
     from torch.distributed.tensor._redistribute import Redistribute as TorchRedistribute
 
-    placements = tuple(to_torch(placements))
+    placements = tuple(to_torch_placements(placements))
     if all(not p.is_partial() or p == q for p, q in zip(placements, t.placements)):
         return t.redistribute(tmesh, placements)
     dtype = t._local_tensor.dtype
@@ -333,15 +310,16 @@ def partial_reduce_ops() -> list[str]:
                     [Partial(op)] + [Shard(1)] * (len(mesh_shape) - 1),
                 ):
                     ours = DTensor.from_local(local.clone(), mesh, src).redistribute(mesh, dst)
-                    theirs = torch_redistribute(tdt.DTensor.from_local(local.clone(), tmesh, to_torch(src)), tmesh, dst)
+                    theirs = torch_redistribute(
+                        tdt.DTensor.from_local(local.clone(), tmesh, to_torch_placements(src)), tmesh, dst
+                    )
                     if not torch.equal(ours._local_tensor, theirs._local_tensor):
                         failures.append(f"{mesh_shape} {shape} P({op})->{names(dst)}")
     return failures
 
 
 def test_partial_avg_min_max_match_torch():
-    for failures in run_world(partial_reduce_ops, 4):
-        assert not failures, failures
+    assert_no_failures(run_world(partial_reduce_ops, 4))
 
 
 def replicate_to_partial_ops() -> list[str]:
@@ -355,15 +333,14 @@ def replicate_to_partial_ops() -> list[str]:
             ([Replicate(), Replicate()], [Partial(op), Partial(op)]),
         ):
             ours = distribute_tensor(t, mesh, src).redistribute(mesh, dst)
-            theirs = torch_redistribute(tdt.distribute_tensor(t, tmesh, to_torch(src)), tmesh, dst)
+            theirs = torch_redistribute(tdt.distribute_tensor(t, tmesh, to_torch_placements(src)), tmesh, dst)
             if not torch.equal(ours._local_tensor, theirs._local_tensor) or not torch.equal(ours.full_tensor(), t):
                 failures.append(f"{names(src)}->{names(dst)} {op}")
     return failures
 
 
 def test_replicate_to_partial_partitions_like_torch_for_every_reduce_op():
-    for failures in run_world(replicate_to_partial_ops, 4):
-        assert not failures, failures
+    assert_no_failures(run_world(replicate_to_partial_ops, 4))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -440,8 +417,8 @@ def local_and_full_grads(mesh_shape) -> list[str]:
                     continue  # the local grad has this shard's shape: only R <-> P may differ
                 a, ta = local.clone().requires_grad_(), local.clone().requires_grad_()
                 d = DTensor.from_local(a, mesh, src, shape=global_t.shape, stride=stride)
-                td = tdt.DTensor.from_local(ta, tmesh, to_torch(src), shape=global_t.shape, stride=stride)
-                gp = None if grad_placements is None else to_torch(grad_placements)
+                td = tdt.DTensor.from_local(ta, tmesh, to_torch_placements(src), shape=global_t.shape, stride=stride)
+                gp = None if grad_placements is None else to_torch_placements(grad_placements)
                 w = int_tensor(local.shape, 300 + rank)
                 (d.to_local(grad_placements=grad_placements) * w).sum().backward()
                 (td.to_local(grad_placements=gp) * w).sum().backward()
@@ -453,7 +430,12 @@ def local_and_full_grads(mesh_shape) -> list[str]:
                 a, ta = local.clone().requires_grad_(), local.clone().requires_grad_()
                 d = DTensor.from_local(a, mesh, src, shape=global_t.shape, stride=stride, grad_placements=from_grad)
                 td = tdt.DTensor.from_local(
-                    ta, tmesh, to_torch(src), shape=global_t.shape, stride=stride, grad_placements=to_torch(from_grad)
+                    ta,
+                    tmesh,
+                    to_torch_placements(src),
+                    shape=global_t.shape,
+                    stride=stride,
+                    grad_placements=to_torch_placements(from_grad),
                 )
                 w = int_tensor(local.shape, 700 + rank) * 4
                 (d.to_local() * w).sum().backward()
@@ -466,7 +448,7 @@ def local_and_full_grads(mesh_shape) -> list[str]:
             for grad_placements in (None, [Partial()] * len(mesh_shape)):
                 x, tx = grad_leaf_pair(global_t, mesh_shape, src, seed=1)
                 w = int_tensor(shape, 500 + (rank if grad_placements else 0))
-                gp = None if grad_placements is None else to_torch(grad_placements)
+                gp = None if grad_placements is None else to_torch_placements(grad_placements)
                 (x.full_tensor(grad_placements=grad_placements) * w).sum().backward()
                 (tx.full_tensor(grad_placements=gp) * w).sum().backward()
                 compare_grads(

@@ -1,10 +1,10 @@
 """Sharding rules, one module per op family; importing this package registers them all."""
 
-from .registry import RULES, OpCall, Sharding, register, rule_file_for  # noqa: F401
 from . import (  # noqa: F401  (importing registers the rules)
     attention,
     embedding,
     foreach,
+    indexing,
     loss,
     matmul,
     norms,
@@ -14,3 +14,4 @@ from . import (  # noqa: F401  (importing registers the rules)
     tensor_ops,
     views,
 )
+from .registry import RULES, OpCall, Sharding, register, rule_file_for  # noqa: F401

@@ -158,6 +158,9 @@ RULE_FILES = (
     ("linear", "matmul.py"),
     ("matmul", "matmul.py"),
     ("dot", "matmul.py"),
+    ("index", "indexing.py"),
+    ("aten::gather", "indexing.py"),
+    ("aten::scatter", "indexing.py"),
 )
 
 

@@ -1,4 +1,5 @@
-"""Rules for tensor ops: copies and casts, factories, cat/stack, indexing, scatter/gather, sort.
+"""Rules for tensor ops: copies and casts, factories, cat/stack, tril/repeat/roll/flip, sort, and the
+`Row` helpers that these rules and the indexing family (indexing.py) are written with.
 
 Most rules here are written per mesh dim as a short list of `Row`s ("on one mesh dim: self S(d),
 index R -> out S(d)"); `expand` combines one row per mesh dim into whole-mesh candidates and drops
@@ -7,13 +8,11 @@ placements of a tensor written in place. The dispatcher then picks the cheapest 
 all-Replicate row is always offered, so every rule has a legal fallback.
 
 Why the rows are right, in one line each:
-  - an op that works independently along tensor dim d (sort on another dim, cat along another dim,
-    gather with index sharded alike) runs on shards of d, even uneven or nested ones, as long as
-    every operand that spans d is chunked the same way (same size on d, same placements);
-  - an op that selects, copies or masks values (index, gather, tril, repeat, cat) is linear and
-    monotone, so P(r) x R-indices -> P(r) for every reduce op r;
-  - an op that adds into a zero-or-self buffer (index_add, scatter_add, index_put(accumulate)) may
-    split its index: each rank adds its part, P(sum) self x S index -> P(sum).
+  - an op that works independently along tensor dim d (sort on another dim, cat along another dim)
+    runs on shards of d, even uneven or nested ones, as long as every operand that spans d is
+    chunked the same way (same size on d, same placements);
+  - an op that copies or masks values (copy, tril, repeat, cat) is linear and monotone, so
+    P(r) -> P(r) for every reduce op r.
 """
 
 from __future__ import annotations
@@ -137,8 +136,14 @@ def norm_dim(dim: int, ndim: int) -> int:
     return dim % ndim if ndim else 0
 
 
-def same_dim_rows(call: OpCall, ndim: int, names: Sequence[str], skip: set[int], num_outputs: int = 1,
-                  reduce_ops: Sequence[str] | None = None) -> list[Row]:
+def same_dim_rows(
+    call: OpCall,
+    ndim: int,
+    names: Sequence[str],
+    skip: set[int],
+    num_outputs: int = 1,
+    reduce_ops: Sequence[str] | None = None,
+) -> list[Row]:
     """R; S(d) for every dim d not in `skip` on all `names` and outputs; P(r) likewise."""
     rows = [Row({n: R for n in names}, (R,) * num_outputs)]
     rows += [Row({n: Shard(d) for n in names}, (Shard(d),) * num_outputs) for d in range(ndim) if d not in skip]
@@ -151,8 +156,14 @@ def same_dim_rows(call: OpCall, ndim: int, names: Sequence[str], skip: set[int],
 # --------------------------------------------------------------------------------------------------
 
 
-@register(aten.detach.default, aten.alias.default, aten.clone.default, aten.contiguous.default,
-          aten.lift_fresh.default, aten.lift_fresh_copy.default)
+@register(
+    aten.detach.default,
+    aten.alias.default,
+    aten.clone.default,
+    aten.contiguous.default,
+    aten.lift_fresh.default,
+    aten.lift_fresh_copy.default,
+)
 def follow_input(call: OpCall) -> Sharding:
     """Output has the input's placements (Partial stays Partial: these ops are the identity)."""
     (spec,) = call.specs
@@ -169,8 +180,9 @@ def to_copy(call: OpCall) -> Sharding:
     """
     (spec,) = call.specs
     target = arg(call, "dtype")
-    placements = tuple(R if isinstance(p, Partial) and _cast_breaks(p, spec.dtype, target) else p
-                       for p in spec.placements)
+    placements = tuple(
+        R if isinstance(p, Partial) and _cast_breaks(p, spec.dtype, target) else p for p in spec.placements
+    )
     return Sharding((placements,), (placements,))
 
 
@@ -190,8 +202,13 @@ def like(call: OpCall) -> Sharding:
     return Sharding((None,) * len(call.specs), (placements,))
 
 
-@register(aten.new_zeros.default, aten.new_ones.default, aten.new_empty.default, aten.new_full.default,
-          aten.new_empty_strided.default)
+@register(
+    aten.new_zeros.default,
+    aten.new_ones.default,
+    aten.new_empty.default,
+    aten.new_full.default,
+    aten.new_empty_strided.default,
+)
 def new_factory(call: OpCall) -> list[Sharding]:
     """`x.new_zeros(size)` makes a new global tensor of `size`: Replicate, or x's shards when `size`
     is x's shape and x is not Partial (the local call then gets this rank's shape); x is not read.
@@ -288,194 +305,6 @@ def is_same_size(call: OpCall) -> list[Sharding]:
         return [Sharding((r, r), ())]
     options = [r, a.placements, b.placements]
     return [Sharding((t, t), ()) for t in options if all(map(reachable, a.placements + b.placements, t + t))]
-
-
-# --------------------------------------------------------------------------------------------------
-# index_select, gather, scatter, index_add
-# --------------------------------------------------------------------------------------------------
-
-
-@register(aten.index_select.default)
-def index_select(call: OpCall) -> list[Sharding]:
-    """self S(d != dim) x index R -> S(d); self R x index S(0) -> S(dim); P(r) x R -> P(r)."""
-    self, index = arg(call, "self"), arg(call, "index")
-    dim = norm_dim(arg(call, "dim"), self.ndim)
-    rows = same_dim_rows(call, self.ndim, ["self"], {dim})
-    for row in rows:
-        row.inputs["index"] = R
-    if isinstance(index, DTensorSpec) and index.ndim == 1:
-        rows.append(Row({"self": R, "index": Shard(0)}, (Shard(dim),)))
-    return expand(call, rows)
-
-
-@register(aten.gather.default)
-def gather(call: OpCall) -> list[Sharding]:
-    """out[i][j] = self[index[i][j]][j] (dim 0): shard a dim != dim that self and index share in size,
-    or shard index along dim against a replicated self; P(r) self x R index -> P(r)."""
-    self, index = arg(call, "self"), arg(call, "index")
-    dim = norm_dim(arg(call, "dim"), self.ndim)
-    rows = [Row({"self": R, "index": R}, (R,))]
-    rows += [Row({"self": Shard(d), "index": Shard(d)}, (Shard(d),)) for d in _aligned_dims(dim, self, index)]
-    if isinstance(index, DTensorSpec) and index.ndim:
-        rows.append(Row({"self": R, "index": Shard(dim)}, (Shard(dim),)))
-    rows += [Row({"self": p, "index": R}, (p,)) for p in partials(call)]
-    return expand(call, rows)
-
-
-def _aligned_dims(dim: int, *specs: Any) -> list[int]:
-    """Dims other than `dim` on which every tensor operand has the same size (so chunks line up)."""
-    tensors = [s for s in specs if isinstance(s, DTensorSpec)]
-    ndim = tensors[0].ndim
-    if any(t.ndim != ndim for t in tensors):
-        return []
-    return [d for d in range(ndim) if d != dim and len({t.shape[d] for t in tensors}) == 1]
-
-
-@register(aten.scatter.src, aten.scatter_.src, aten.scatter.value, aten.scatter_.value,
-          aten.scatter.reduce, aten.scatter_.reduce, aten.scatter.value_reduce, aten.scatter_.value_reduce)
-def scatter(call: OpCall) -> list[Sharding]:
-    """Writes along dim, so dim stays unsharded; other dims shard when self, index, src agree in size.
-
-    P(r) self x P(r) src -> P(r) for the plain `.src` overload: every position takes either self's
-    or src's partial value, so the reduction commutes.
-    """
-    self, index, src = arg(call, "self"), arg(call, "index"), _maybe(call, "src")
-    dim = norm_dim(arg(call, "dim"), self.ndim)
-    names = ["self", "index", "src"]
-    rows = [Row({n: R for n in names}, (R,))]
-    rows += [Row({n: Shard(d) for n in names}, (Shard(d),)) for d in _aligned_dims(dim, self, index, src)]
-    if isinstance(src, DTensorSpec) and call.op in (aten.scatter.src, aten.scatter_.src):
-        rows += [Row({"self": p, "index": R, "src": p}, (p,)) for p in partials(call)]
-    return expand(call, rows)
-
-
-def _maybe(call: OpCall, name: str) -> Any:
-    try:
-        return arg(call, name)
-    except KeyError:
-        return None
-
-
-@register(aten.scatter_add.default, aten.scatter_add_.default)
-def scatter_add(call: OpCall) -> list[Sharding]:
-    """Like scatter, plus: linear in (self, src) -> P(sum|avg); and index/src S(dim) against a P(sum)
-    self (each rank adds its part of the updates) -> P(sum): the backward of a gather with sharded index."""
-    self, index, src = arg(call, "self"), arg(call, "index"), arg(call, "src")
-    dim = norm_dim(arg(call, "dim"), self.ndim)
-    names = ["self", "index", "src"]
-    rows = [Row({n: R for n in names}, (R,))]
-    rows += [Row({n: Shard(d) for n in names}, (Shard(d),)) for d in _aligned_dims(dim, self, index, src)]
-    if not isinstance(src, DTensorSpec) or not isinstance(index, DTensorSpec):
-        return expand(call, rows)
-    rows += [Row({"self": p, "index": R, "src": p}, (p,)) for p in partials(call, ("sum", "avg"))]
-    if index.ndim and index.shape[dim] == src.shape[dim]:
-        rows.append(Row({"self": Partial(), "index": Shard(dim), "src": Shard(dim)}, (Partial(),)))
-    return expand(call, rows)
-
-
-@register(aten.index_add.default, aten.index_add_.default)
-def index_add(call: OpCall) -> list[Sharding]:
-    """self[index[i]] += alpha * source[i] along dim: S(d != dim) on self and source; P(sum|avg) on both;
-    index S(0) x source S(dim) into a P(sum) self -> P(sum) (the backward of a sharded-index select)."""
-    self, index, source = arg(call, "self"), arg(call, "index"), arg(call, "source")
-    dim = norm_dim(arg(call, "dim"), self.ndim)
-    rows = [Row({"self": R, "index": R, "source": R}, (R,))]
-    rows += [Row({"self": Shard(d), "index": R, "source": Shard(d)}, (Shard(d),))
-             for d in _aligned_dims(dim, self, source)]
-    if not isinstance(source, DTensorSpec):  # a plain scalar source would be added once per rank
-        return expand(call, rows)
-    rows += [Row({"self": p, "index": R, "source": p}, (p,)) for p in partials(call, ("sum", "avg"))]
-    if isinstance(index, DTensorSpec) and index.ndim == 1 and source.ndim == self.ndim:
-        rows.append(Row({"self": Partial(), "index": Shard(0), "source": Shard(dim)}, (Partial(),)))
-    return expand(call, rows)
-
-
-# --------------------------------------------------------------------------------------------------
-# advanced indexing: index.Tensor, index_put
-# --------------------------------------------------------------------------------------------------
-
-
-class IndexLayout(NamedTuple):
-    """Where `self[indices]` puts things: indexed dims, the broadcast index shape and its position."""
-
-    indexed: list[int]
-    broadcast: tuple[int, ...]
-    insert: int  # output dim of the first broadcast dim
-
-    def out_dim(self, d: int) -> int:
-        """Output dim of a non-indexed self dim d."""
-        return d if d < self.insert else d + len(self.broadcast) - sum(i < d for i in self.indexed)
-
-
-def index_layout(call: OpCall, indices: tuple) -> IndexLayout:
-    shapes = []
-    for t in indices:
-        dtype = t.dtype if isinstance(t, DTensorSpec) else t[1] if isinstance(t, tuple) else None
-        if dtype in (torch.bool, torch.uint8):
-            raise NotImplementedError(
-                f"{call.op}: boolean-mask indexing of a DTensor has a data-dependent shape; use "
-                f"torch.where / masked_fill, or index the full_tensor()"
-            )
-        if t is not None:
-            shapes.append(t.shape if isinstance(t, DTensorSpec) else ())
-    indexed = [i for i, t in enumerate(indices) if t is not None]
-    consecutive = indexed == list(range(indexed[0], indexed[0] + len(indexed))) if indexed else True
-    insert = indexed[0] if indexed and consecutive else 0
-    return IndexLayout(indexed, tuple(torch.broadcast_shapes(*shapes)) if shapes else (), insert)
-
-
-def _index_shard(indices: tuple, layout: IndexLayout, bd: int) -> tuple[Placement, ...]:
-    """Each index tensor's placement when broadcast dim `bd` is sharded (R where it broadcasts a 1)."""
-    out: list[Placement] = []
-    for t in indices:
-        td = bd - (len(layout.broadcast) - t.ndim) if isinstance(t, DTensorSpec) else -1
-        out.append(Shard(td) if td >= 0 and t.shape[td] > 1 else R)
-    return tuple(out)
-
-
-@register(aten.index.Tensor)
-def index(call: OpCall) -> list[Sharding]:
-    """self[indices]: self S(d) on a non-indexed d -> S(out dim); index tensors S on a broadcast dim
-    against a replicated self -> S(that output dim); P(r) self x R indices -> P(r)."""
-    self, indices = arg(call, "self"), arg(call, "indices")
-    layout = index_layout(call, indices)
-    rows = [Row({"self": R, "indices": R}, (R,))]
-    rows += [Row({"self": Shard(d), "indices": R}, (Shard(layout.out_dim(d)),))
-             for d in range(self.ndim) if d not in layout.indexed]
-    rows += [Row({"self": R, "indices": _index_shard(indices, layout, bd)}, (Shard(layout.insert + bd),))
-             for bd, size in enumerate(layout.broadcast) if size > 1]
-    rows += [Row({"self": p, "indices": R}, (p,)) for p in partials(call)]
-    return expand(call, rows)
-
-
-@register(aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default)
-def index_put(call: OpCall) -> list[Sharding]:
-    """self[indices] = values (or += with accumulate).
-
-    self S(d) on a non-indexed d, values S on the matching dim (R where it broadcasts) -> S(d).
-    P(r) self x P(r) values -> P(r): assignment selects (any r), accumulation adds (sum, avg).
-    With accumulate, index tensors and values may shard a broadcast dim into a P(sum) self.
-    """
-    self, indices, values = arg(call, "self"), arg(call, "indices"), arg(call, "values")
-    accumulate = bool(arg(call, "accumulate", False))
-    layout = index_layout(call, indices)
-    result_ndim = len(layout.broadcast) + self.ndim - len(layout.indexed)
-
-    def values_at(out_dim: int) -> Placement:  # values broadcast against the result of self[indices]
-        vd = out_dim - (result_ndim - values.ndim) if isinstance(values, DTensorSpec) else -1
-        return Shard(vd) if vd >= 0 and values.shape[vd] > 1 else R
-
-    rows = [Row({"self": R, "indices": R, "values": R}, (R,))]
-    rows += [Row({"self": Shard(d), "indices": R, "values": values_at(layout.out_dim(d))}, (Shard(d),))
-             for d in range(self.ndim) if d not in layout.indexed]
-    if isinstance(values, DTensorSpec):
-        ops = ("sum", "avg") if accumulate else ("sum", "avg", "max", "min")
-        rows += [Row({"self": p, "indices": R, "values": p}, (p,)) for p in partials(call, ops)]
-    if accumulate:
-        rows += [Row({"self": Partial(), "indices": _index_shard(indices, layout, bd),
-                      "values": values_at(layout.insert + bd)}, (Partial(),))
-                 for bd, size in enumerate(layout.broadcast) if size > 1]
-    return expand(call, rows)
 
 
 # --------------------------------------------------------------------------------------------------

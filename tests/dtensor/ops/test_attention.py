@@ -16,10 +16,8 @@ from torch.ops import aten
 
 from parallelisms.dtensor import Partial, Replicate, Shard, distribute_tensor
 from parallelisms.dtensor.debug import CommDebugMode
-from tests.dtensor.harness import check_op, get_mesh, get_torch_mesh, placement_choices
+from tests.dtensor.harness import check_op, get_mesh, get_torch_mesh, make_spec, placement_choices, run_on_meshes
 from tests.world import run_world
-
-MESHES = (((2,), 2), ((4,), 4), ((2, 2), 4))
 
 
 def sdpa(q, k, v):
@@ -98,8 +96,7 @@ def _check_sdpa(mesh_shape: tuple[int, ...]) -> int:
 
 
 def test_sdpa_matches_single_device_all_meshes():
-    for mesh_shape, world_size in MESHES:
-        assert all(n > 0 for n in run_world(_check_sdpa, world_size, mesh_shape))
+    assert all(n > 0 for n in run_on_meshes(_check_sdpa))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -177,24 +174,6 @@ def test_sdpa_runs_where_torch_dtensor_has_no_cpu_rule():
 # --------------------------------------------------------------------------------------------------
 
 
-class FakeMesh:
-    """Just what rules read from a mesh."""
-
-    shape, ndim, mesh_dim_names = (2,), 1, None
-
-    def size(self, mesh_dim=None):
-        return 2
-
-    def get_coordinate(self):
-        return (0,)
-
-
-def _spec(shape, placements, dtype=torch.float16):
-    from parallelisms.dtensor.spec import DTensorSpec, TensorMeta
-
-    return DTensorSpec(FakeMesh(), placements, TensorMeta(torch.Size(shape), torch.empty(shape).stride(), dtype))
-
-
 def _cuda_kernel_calls(q, lse, rng):
     """(op, args) of every CUDA sdpa kernel and its backward that this torch build has."""
     calls = {
@@ -244,9 +223,9 @@ def test_cuda_kernel_rules_shard_batch_and_heads():
 
     for dim in (0, 1):
         q, lse, rng = (
-            _spec((2, 4, 8, 16), (Shard(dim),)),
-            _spec((2, 4, 8), (Shard(dim),), torch.float32),
-            _spec((), (Replicate(),), torch.int64),
+            make_spec((2, 4, 8, 16), Shard(dim), dtype=torch.float16),
+            make_spec((2, 4, 8), Shard(dim)),
+            make_spec((), Replicate(), dtype=torch.int64),
         )
         for op, args in _cuda_kernel_calls(q, lse, rng):
             call = OpCall(op, args, {})

@@ -11,10 +11,8 @@ import torch.nn.functional as F
 
 from parallelisms.dtensor import Partial, Replicate, Shard, distribute_tensor
 from parallelisms.dtensor.debug import CommDebugMode
-from tests.dtensor.harness import check_op, get_mesh, get_torch_mesh
+from tests.dtensor.harness import check_op, get_mesh, get_torch_mesh, run_on_meshes, to_torch_placements
 from tests.world import run_world
-
-MESHES = (((2,), 2), ((4,), 4), ((2, 2), 4))
 
 
 def lookup(weight, ids):
@@ -47,8 +45,7 @@ def _check_lookups(mesh_shape: tuple[int, ...]) -> int:
 
 
 def test_embedding_matches_single_device_all_meshes():
-    for mesh_shape, world_size in MESHES:
-        assert all(n > 0 for n in run_world(_check_lookups, world_size, mesh_shape))
+    assert all(n > 0 for n in run_on_meshes(_check_lookups))
 
 
 def _output_placements(mesh_shape, weight_placements, ids_placements):
@@ -87,17 +84,14 @@ def test_embedding_mixes_vocab_and_batch_sharding_on_2d_mesh():
 
 def _compare_with_torch(weight_placements, ids_placements):
     """Our forward communication vs torch's DTensor for the same layout (ours: no more collectives)."""
-    from torch.distributed.tensor import Replicate as TR
-    from torch.distributed.tensor import Shard as TS
     from torch.distributed.tensor import distribute_tensor as torch_distribute
 
-    to_torch = {Replicate(): TR(), Shard(0): TS(0), Shard(1): TS(1)}
     torch.manual_seed(0)
     weight, ids = torch.randn(8, 4), torch.randint(0, 8, (4, 6))
     counts = []
     for mesh, dist_fn, convert in (
         (get_mesh((2,)), distribute_tensor, lambda ps: ps),
-        (get_torch_mesh((2,)), torch_distribute, lambda ps: [to_torch[p] for p in ps]),
+        (get_torch_mesh((2,)), torch_distribute, to_torch_placements),
     ):
         w = dist_fn(weight, mesh, convert(weight_placements))
         i = dist_fn(ids, mesh, convert(ids_placements))

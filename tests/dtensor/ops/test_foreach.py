@@ -10,7 +10,6 @@ moving nothing but scalars.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -21,8 +20,7 @@ from parallelisms.dtensor import DTensor, Partial, Replicate, Shard, distribute_
 from parallelisms.dtensor.debug import CommDebugMode
 from parallelisms.dtensor.ops import foreach
 from parallelisms.dtensor.placements import norm_order, norm_reduce_op, partition_divisor
-from parallelisms.dtensor.spec import DTensorSpec, TensorMeta
-from tests.dtensor.harness import get_mesh
+from tests.dtensor.harness import FakeMesh, assert_no_failures, expect_error, get_mesh, make_spec, run_on_meshes
 from tests.world import run_world
 
 aten = torch.ops.aten
@@ -33,14 +31,16 @@ LAYOUTS = {
     (4,): [((5, 3), (S0,)), ((3,), (S0,)), ((4, 6), (S1,)), ((2, 5), (R,))],
     (2, 2): [((5, 3), (S0, S1)), ((7,), (S0, S0)), ((4, 6), (R, S1)), ((3, 5), (S1, R))],
 }
-MESHES = (((2,), 2), ((4,), 4), ((2, 2), 4))
 OPTIMIZERS = {
     "adamw_foreach": ("AdamW", {"lr": 0.1, "weight_decay": 0.1, "foreach": True}),
     "adamw_loop": ("AdamW", {"lr": 0.1, "weight_decay": 0.1, "foreach": False}),
     "adamw_foreach_amsgrad": ("AdamW", {"lr": 0.1, "amsgrad": True, "foreach": True}),
     "adamw_loop_amsgrad": ("AdamW", {"lr": 0.1, "amsgrad": True, "foreach": False}),
     "adamw_fused": ("AdamW", {"lr": 0.1, "weight_decay": 0.1, "fused": True}),
-    "sgd_foreach_nesterov": ("SGD", {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 0.1, "foreach": True}),
+    "sgd_foreach_nesterov": (
+        "SGD",
+        {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 0.1, "foreach": True},
+    ),
     "sgd_loop_nesterov": ("SGD", {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 0.1, "foreach": False}),
     "sgd_loop_dampening": ("SGD", {"lr": 0.1, "momentum": 0.9, "dampening": 0.3, "foreach": False}),
 }
@@ -77,9 +77,7 @@ def step_optimizers(mesh_shape) -> list[str]:
 
 
 def test_optimizers_match_single_device_all_meshes():
-    for mesh_shape, world_size in MESHES:
-        for failures in run_world(step_optimizers, world_size, mesh_shape):
-            assert not failures, failures
+    assert_no_failures(run_on_meshes(step_optimizers))
 
 
 def grads_placed_unlike_params() -> list[str]:
@@ -99,18 +97,18 @@ def grads_placed_unlike_params() -> list[str]:
             our_opt.step()
         if comm.get_total_counts() or any(not torch.allclose(d.full_tensor(), p, atol=1e-6) for p, d in zip(ref, ours)):
             failures.append(f"foreach={foreach_}: {comm.get_comm_counts()}")
-    try:  # the fused kernel writes grads and states in place: they must be laid out like the params
-        torch.optim.AdamW(ours, lr=0.1, fused=True).step()
-        failures.append("fused AdamW with R grads of S(0) params did not raise")
-    except ValueError as e:
-        if "laid out alike" not in str(e):
-            failures.append(f"unhelpful error: {e}")
+    # the fused kernel writes grads and states in place: they must be laid out like the params
+    failures += expect_error(
+        "fused AdamW with R grads of S(0) params",
+        lambda: torch.optim.AdamW(ours, lr=0.1, fused=True).step(),
+        ValueError,
+        "laid out alike",
+    )
     return failures
 
 
 def test_optimizer_slices_replicated_grads_and_fused_needs_matching_placements():
-    for failures in run_world(grads_placed_unlike_params, 2):
-        assert not failures, failures
+    assert_no_failures(run_world(grads_placed_unlike_params, 2))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -122,10 +120,9 @@ def clip_grads(mesh_shape) -> list[str]:
     import torch.distributed.tensor as tdt
     from torch.distributed.tensor.debug import CommDebugMode as TorchCommDebugMode
 
-    from tests.dtensor.harness import get_torch_mesh
+    from tests.dtensor.harness import get_torch_mesh, to_torch_placements
 
     mesh, tmesh = get_mesh(mesh_shape), get_torch_mesh(mesh_shape)
-    to_torch = {S0: tdt.Shard(0), S1: tdt.Shard(1), R: tdt.Replicate()}
     layout = LAYOUTS[mesh_shape]
     failures = []
     norm_types = (2.0, 1.0, math.inf, 3.0) if mesh_shape == (2,) else (2.0,)
@@ -133,9 +130,13 @@ def clip_grads(mesh_shape) -> list[str]:
         for foreach_ in (True, False):
             grads = [_randn(*shape, seed=i) * 3 for i, (shape, _) in enumerate(layout)]
             ref = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
-            ours = [torch.nn.Parameter(distribute_tensor(torch.zeros_like(g), mesh, p)) for g, (_, p) in zip(grads, layout)]
-            theirs = [torch.nn.Parameter(tdt.distribute_tensor(torch.zeros_like(g), tmesh, [to_torch[q] for q in p]))
-                      for g, (_, p) in zip(grads, layout)]  # fmt: skip
+            ours = [
+                torch.nn.Parameter(distribute_tensor(torch.zeros_like(g), mesh, p)) for g, (_, p) in zip(grads, layout)
+            ]
+            theirs = [
+                torch.nn.Parameter(tdt.distribute_tensor(torch.zeros_like(g), tmesh, to_torch_placements(p)))
+                for g, (_, p) in zip(grads, layout)
+            ]
             for g, p, d, t in zip(grads, ref, ours, theirs):
                 p.grad = g.clone()
                 d.grad = distribute_tensor(g, mesh, d.placements)
@@ -164,9 +165,7 @@ def clip_grads(mesh_shape) -> list[str]:
 
 
 def test_clip_grad_norm_matches_single_device_moving_only_scalars():
-    for mesh_shape, world_size in MESHES:
-        for failures in run_world(clip_grads, world_size, mesh_shape):
-            assert not failures, failures
+    assert_no_failures(run_on_meshes(clip_grads))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -231,9 +230,7 @@ def foreach_ops(mesh_shape) -> list[str]:
 
 
 def test_foreach_ops_match_per_tensor_ops_all_meshes():
-    for mesh_shape, world_size in (((2,), 2), ((4,), 4)):  # (2, 2) runs them through the optimizers above
-        for failures in run_world(foreach_ops, world_size, mesh_shape):
-            assert not failures, failures
+    assert_no_failures(run_on_meshes(foreach_ops, (((2,), 2), ((4,), 4))))  # (2, 2) runs them via the optimizers
 
 
 # --------------------------------------------------------------------------------------------------
@@ -273,9 +270,7 @@ def norms_of_shards(mesh_shape) -> list[str]:
 
 
 def test_norms_of_shards_are_norm_partials_without_communication():
-    for mesh_shape, world_size in MESHES:
-        for failures in run_world(norms_of_shards, world_size, mesh_shape):
-            assert not failures, failures
+    assert_no_failures(run_on_meshes(norms_of_shards))
 
 
 def norm_partial_redistributes() -> list[str]:
@@ -299,32 +294,12 @@ def norm_partial_redistributes() -> list[str]:
 
 
 def test_norm_partial_reduces_and_partitions():
-    for failures in run_world(norm_partial_redistributes, 4):
-        assert not failures, failures
+    assert_no_failures(run_world(norm_partial_redistributes, 4))
 
 
 # --------------------------------------------------------------------------------------------------
 # pure tests: no ranks
 # --------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class FakeMesh:
-    shape: tuple[int, ...]
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    def size(self, mesh_dim: int) -> int:
-        return self.shape[mesh_dim]
-
-    def get_coordinate(self) -> list[int]:
-        return [0] * len(self.shape)
-
-
-def _spec(shape, *placements, mesh=FakeMesh((4,))) -> DTensorSpec:
-    return DTensorSpec(mesh, tuple(placements), TensorMeta(torch.Size(shape), torch.empty(shape).stride(), torch.float32))
 
 
 def test_norm_partial_names_orders_and_partition_divisors():
@@ -339,19 +314,22 @@ def test_norm_partial_names_orders_and_partition_divisors():
 
 
 def test_norm_rule_keeps_kept_dims_sharded_and_gathers_empty_inf_pieces():
-    spec = _spec((8, 6), S0)
+    mesh = FakeMesh((4,))
+    spec = make_spec((8, 6), S0, mesh=mesh)
     assert ((Shard(0),), ((S0,),)) in foreach.vector_norm_candidates(spec, 2, (1,), False)
     assert (((Partial("norm2"),), ((S0,),))) in foreach.vector_norm_candidates(spec, 2, None, False)
-    empty = _spec((3, 6), S0)  # 3 rows on 4 ranks: the last shard is empty
+    empty = make_spec((3, 6), S0, mesh=mesh)  # 3 rows on 4 ranks: the last shard is empty
     assert foreach.vector_norm_candidates(empty, math.inf, None, False) == [((R,), ((R,),))]
-    assert foreach.vector_norm_candidates(_spec((8,), Partial()), 2, None, False) == [((R,), ((R,),))]
+    partial = make_spec((8,), Partial(), mesh=mesh)
+    assert foreach.vector_norm_candidates(partial, 2, None, False) == [((R,), ((R,),))]
 
 
 def test_registered_foreach_ops_cover_the_optimizers():
     ops = set(foreach.FOREACH_OPS)
-    for op in (aten._foreach_add_.List, aten._foreach_add_.Scalar, aten._foreach_mul_.Tensor, aten._foreach_lerp_.Scalar,
-               aten._foreach_addcmul_.Scalar, aten._foreach_addcdiv_.ScalarList, aten._foreach_div_.ScalarList,
-               aten._foreach_sqrt.default, aten._foreach_maximum_.List, aten._foreach_norm.Scalar, aten._foreach_add.List,
-               aten._foreach_copy_.default, aten._foreach_zero_.default, aten._fused_adamw_.default):  # fmt: skip
+    for op in (aten._foreach_add_.List, aten._foreach_add_.Scalar, aten._foreach_mul_.Tensor,
+               aten._foreach_lerp_.Scalar, aten._foreach_addcmul_.Scalar, aten._foreach_addcdiv_.ScalarList,
+               aten._foreach_div_.ScalarList, aten._foreach_sqrt.default, aten._foreach_maximum_.List,
+               aten._foreach_norm.Scalar, aten._foreach_add.List, aten._foreach_copy_.default,
+               aten._foreach_zero_.default, aten._fused_adamw_.default):  # fmt: skip
         assert op in ops, op
     assert aten._foreach_mm.default not in ops

@@ -11,7 +11,6 @@ and compare placements and collective counts with torch's own DTensor.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -20,7 +19,6 @@ import torch.nn.functional as F
 from torch.ops import aten
 
 from parallelisms.dtensor import Partial, Replicate, Shard, distribute_tensor
-from parallelisms.dtensor.debug import CommDebugMode
 from parallelisms.dtensor.ops.matmul import (
     Einsum,
     additive_letters,
@@ -29,11 +27,9 @@ from parallelisms.dtensor.ops.matmul import (
     mesh_dim_layouts,
 )
 from parallelisms.dtensor.ops.registry import OpCall
-from parallelisms.dtensor.spec import DTensorSpec, TensorMeta
-from tests.dtensor.harness import check_op, get_mesh, get_torch_mesh
+from tests.dtensor.harness import MESHES, check_op, get_mesh, get_torch_mesh, make_spec, placements_and_collectives
 from tests.world import run_world
 
-MESHES = (((2,), 2), ((4,), 4), ((2, 2), 4))
 R, P = Replicate(), Partial()
 MM = Einsum.parse("mk,kn->mn")
 
@@ -41,22 +37,6 @@ MM = Einsum.parse("mk,kn->mn")
 # --------------------------------------------------------------------------------------------------
 # pure rule tests (no ranks)
 # --------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class FakeMesh:
-    shape: tuple[int, ...]
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-
-def spec(shape: tuple[int, ...], *placements) -> DTensorSpec:
-    stride = torch.empty(shape).stride()
-    return DTensorSpec(
-        FakeMesh((2,) * len(placements)), tuple(placements), TensorMeta(torch.Size(shape), stride, torch.float32)
-    )
 
 
 def test_parse_einsum_finds_contracted_letters() -> None:
@@ -115,14 +95,14 @@ def test_combine_rejects_mixed_partials() -> None:
 
 
 def test_rule_for_inplace_addmm_keeps_self_layout() -> None:
-    call = OpCall(aten.addmm_.default, (spec((5, 3), Shard(0)), spec((5, 7), R), spec((7, 3), R)), {})
+    call = OpCall(aten.addmm_.default, (make_spec((5, 3), Shard(0)), make_spec((5, 7), R), make_spec((7, 3), R)), {})
     candidates = einsum_rule(call)
     assert candidates and all(s.inputs[0] is None and s.outputs == ((Shard(0),),) for s in candidates)
 
 
 def test_rule_for_scalar_bias_offers_no_partial_output() -> None:
     scalar = ("scalar_tensor", torch.float32, "cpu")
-    call = OpCall(aten.addmm.default, (scalar, spec((5, 7), Shard(1)), spec((7, 3), Shard(0))), {})
+    call = OpCall(aten.addmm.default, (scalar, make_spec((5, 7), Shard(1)), make_spec((7, 3), Shard(0))), {})
     candidates = einsum_rule(call)
     assert candidates and all(not isinstance(p, Partial) for s in candidates for p in s.outputs[0])
 
@@ -215,12 +195,11 @@ def _local_layouts(mesh_shape: tuple[int, ...]) -> list[tuple]:
     results = []
     for pa, pb, pbias in cases:
         da, db = distribute_tensor(a, mesh, pa), distribute_tensor(b, mesh, pb)
-        dbias = distribute_tensor(bias, mesh, pbias) if pbias else None
-        with CommDebugMode() as comm:
-            out = torch.mm(da, db) if dbias is None else torch.addmm(dbias, da, db)
-        want = a @ b if dbias is None else bias + a @ b
-        torch.testing.assert_close(out.full_tensor(), want, atol=1e-5, rtol=1e-5)
-        results.append((tuple(map(str, out.placements)), comm.get_total_counts()))
+        if pbias is None:
+            fn, args, want = torch.mm, (da, db), a @ b
+        else:
+            fn, args, want = torch.addmm, (distribute_tensor(bias, mesh, pbias), da, db), bias + a @ b
+        results.append(placements_and_collectives(fn, args, want, atol=1e-5, rtol=1e-5))
     return results
 
 
@@ -290,23 +269,13 @@ def _linear_tp_layouts() -> list[tuple]:
     for px, pw, pb in cases:
         dx, dw = distribute_tensor(x, mesh, px), distribute_tensor(w, mesh, pw)
         db = distribute_tensor(b, mesh, pb) if pb else None
-        with CommDebugMode() as comm:
-            out = F.linear(dx, dw, db)
-        torch.testing.assert_close(out.full_tensor(), F.linear(x, w, b if pb else None), atol=1e-5, rtol=1e-5)
-        results.append((tuple(map(str, out.placements)), comm.get_total_counts()))
+        want = F.linear(x, w, b if pb else None)
+        results.append(placements_and_collectives(F.linear, (dx, dw, db), want, atol=1e-5, rtol=1e-5))
     return results
 
 
 def test_linear_3d_tp_layouts_issue_no_collectives() -> None:
     assert run_world(_linear_tp_layouts, 4)[0] == [(("S(2)",), 0), (("P(sum)",), 0), (("S(0)",), 0)]
-
-
-def _to_torch(p):
-    from torch.distributed.tensor import Partial as TP
-    from torch.distributed.tensor import Replicate as TR
-    from torch.distributed.tensor import Shard as TS
-
-    return TS(p.dim) if isinstance(p, Shard) else TP(p.reduce_op) if isinstance(p, Partial) else TR()
 
 
 def _without_conflicts(pa: tuple, pb: tuple) -> bool:
@@ -323,7 +292,7 @@ def _versus_torch(mesh_shape: tuple[int, ...], strict: bool) -> list[str]:
     placements at no extra cost are fine (e.g. S(0) vs S(1) of an equally cheap layout)."""
     from torch.distributed.tensor import distribute_tensor as torch_distribute
 
-    from tests.dtensor.harness import placement_choices
+    from tests.dtensor.harness import placement_choices, run_ours_and_torch, to_torch_placements
 
     mesh, tmesh = get_mesh(mesh_shape), get_torch_mesh(mesh_shape)
     gen = torch.Generator().manual_seed(0)
@@ -334,13 +303,9 @@ def _versus_torch(mesh_shape: tuple[int, ...], strict: bool) -> list[str]:
         if not strict and not _without_conflicts(pa, pb):
             continue
         da, db = distribute_tensor(a, mesh, pa), distribute_tensor(b, mesh, pb)
-        ta = torch_distribute(a, tmesh, [_to_torch(p) for p in pa])
-        tb = torch_distribute(b, tmesh, [_to_torch(p) for p in pb])
-        with CommDebugMode() as ours:
-            out = torch.mm(da, db)
-        with CommDebugMode() as theirs:
-            tout = torch.mm(ta, tb)
-        torch.testing.assert_close(out.full_tensor(), tout.full_tensor(), atol=1e-5, rtol=1e-5)
+        ta = torch_distribute(a, tmesh, to_torch_placements(pa))
+        tb = torch_distribute(b, tmesh, to_torch_placements(pb))
+        out, tout, ours, theirs = run_ours_and_torch(torch.mm, (da, db), (ta, tb), atol=1e-5, rtol=1e-5)
         counts = (ours.get_total_counts(), theirs.get_total_counts())
         nbytes = (sum(ours.get_comm_bytes().values()), sum(theirs.get_comm_bytes().values()))
         if nbytes[0] > nbytes[1] or (counts[0] > counts[1] and (strict or nbytes[0] == nbytes[1])):

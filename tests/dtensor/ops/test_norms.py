@@ -12,10 +12,8 @@ from torch.ops import aten
 
 from parallelisms.dtensor import Partial, Replicate, Shard, distribute_tensor
 from parallelisms.dtensor.debug import CommDebugMode
-from tests.dtensor.harness import check_op, get_mesh, get_torch_mesh
+from tests.dtensor.harness import check_op, get_mesh, get_torch_mesh, run_on_meshes
 from tests.world import run_world
-
-MESHES = (((2,), 2), ((4,), 4), ((2, 2), 4))
 
 
 def softmax_last(x):
@@ -68,8 +66,7 @@ def _check_softmax_and_layer_norm(mesh_shape: tuple[int, ...]) -> int:
 
 
 def test_softmax_and_layer_norm_match_single_device_all_meshes():
-    for mesh_shape, world_size in MESHES:
-        assert all(n > 0 for n in run_world(_check_softmax_and_layer_norm, world_size, mesh_shape))
+    assert all(n > 0 for n in run_on_meshes(_check_softmax_and_layer_norm))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -117,37 +114,23 @@ def _check_backward_ops(mesh_shape: tuple[int, ...]) -> int:
         )
         _, mean, rstd = aten.native_layer_norm(x, [shape[-1]], w, b, 1e-5)
         for fn in (layer_norm_backward, layer_norm_backward_input_only):
-            combos += check_op(
-                fn,
-                [g, x, mean, rstd, w, b],
-                mesh,
-                grad=False,
-                partial=True,
-                max_combos=16,
-                atol=1e-4,
-                rtol=1e-4,
-                shardable=[True, True] + [stats] * 4,
-            )
+            combos += _check_norm_backward(fn, [g, x, mean, rstd, w, b], mesh, [True, True] + [stats] * 4)
         if not HAS_FUSED_RMS_NORM_CPU:  # torch 2.13 has the fused kernel on CUDA only
             continue
         rstd_rms = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
-        combos += check_op(
-            rms_norm_backward,
-            [g, x, rstd_rms, w],
-            mesh,
-            grad=False,
-            partial=True,
-            max_combos=16,
-            atol=1e-4,
-            rtol=1e-4,
-            shardable=[True, True, stats, stats],
-        )
+        combos += _check_norm_backward(rms_norm_backward, [g, x, rstd_rms, w], mesh, [True, True, stats, stats])
     return combos
 
 
+def _check_norm_backward(fn, inputs: list[torch.Tensor], mesh, shardable: list[bool]) -> int:
+    """check_op for a norm backward op: no gradients of its own, Partial grads allowed, fp32 sums at 1e-4."""
+    return check_op(
+        fn, inputs, mesh, grad=False, partial=True, max_combos=16, atol=1e-4, rtol=1e-4, shardable=shardable
+    )
+
+
 def test_norm_backward_ops_match_single_device_all_meshes():
-    for mesh_shape, world_size in MESHES:
-        assert all(n > 0 for n in run_world(_check_backward_ops, world_size, mesh_shape))
+    assert all(n > 0 for n in run_on_meshes(_check_backward_ops))
 
 
 def _partial_grad_layouts():
@@ -238,5 +221,4 @@ def _check_rms_norms(mesh_shape: tuple[int, ...]) -> int:
 
 
 def test_rms_norm_matches_single_device_all_meshes():
-    for mesh_shape, world_size in MESHES:
-        assert all(n > 0 for n in run_world(_check_rms_norms, world_size, mesh_shape))
+    assert all(n > 0 for n in run_on_meshes(_check_rms_norms))

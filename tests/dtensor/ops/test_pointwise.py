@@ -18,12 +18,10 @@ import torch.nn.functional as F
 from parallelisms.dtensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from parallelisms.dtensor.debug import CommDebugMode
 from parallelisms.dtensor.ops import RULES, OpCall, pointwise
-from parallelisms.dtensor.spec import DTensorSpec, TensorMeta
-from tests.dtensor.harness import check_op, get_mesh
+from tests.dtensor.harness import assert_no_failures, check_op, expect_error, get_mesh, make_spec, run_on_meshes
 from tests.world import run_world
 
 aten = torch.ops.aten
-MESHES = (((2,), 2), ((4,), 4), ((2, 2), 4))
 
 
 def _pos(x):
@@ -49,7 +47,8 @@ BOOL_UNARY = {  # outputs bool: checked without gradients
 BINARY = {
     "add": torch.add, "add_alpha": lambda x, y: torch.add(x, y, alpha=-2), "sub": torch.sub, "mul": torch.mul,
     "div": torch.div, "rsub": torch.rsub, "pow": lambda x, y: torch.pow(_pos(x), y), "maximum": torch.maximum,
-    "minimum": torch.minimum, "atan2": torch.atan2, "div_floor": lambda x, y: torch.div(x, _pos(y), rounding_mode="floor"),
+    "minimum": torch.minimum, "atan2": torch.atan2,
+    "div_floor": lambda x, y: torch.div(x, _pos(y), rounding_mode="floor"),
 }  # fmt: skip
 COMPARE = {
     "eq": lambda x, y: torch.eq(x.round(), y.round()), "ne": torch.ne, "lt": torch.lt, "le": torch.le,
@@ -59,7 +58,8 @@ COMPARE = {
 TERNARY = {
     "where": lambda c, x, y: torch.where(c > 0, x, y), "addcmul": lambda x, y, z: torch.addcmul(x, y, z, value=0.5),
     "addcdiv": lambda x, y, z: torch.addcdiv(x, y, _pos(z), value=-0.5), "lerp_tensor": torch.lerp,
-    "lerp_scalar": lambda x, y, z: torch.lerp(x, y, 0.3) + z, "masked_fill": lambda m, x, y: x.masked_fill(m > 0, 1.5) * y,
+    "lerp_scalar": lambda x, y, z: torch.lerp(x, y, 0.3) + z,
+    "masked_fill": lambda m, x, y: x.masked_fill(m > 0, 1.5) * y,
     "clamp_tensor": lambda x, lo, hi: torch.clamp(x, lo, torch.maximum(lo, hi)),
 }  # fmt: skip
 # (a, b) and (a, b, c) shapes: same shape, right-aligned lower rank, size-1 broadcast both ways, a 0-d
@@ -178,13 +178,11 @@ def check_in_place_and_out(mesh_shape) -> int:
 
 @pytest.mark.parametrize("check", [check_unary, check_binary, check_ternary, check_in_place_and_out])
 def test_pointwise_matches_single_device_all_meshes(check):
-    for mesh_shape, world_size in MESHES:
-        assert all(n > 0 for n in run_world(check, world_size, mesh_shape))
+    assert all(n > 0 for n in run_on_meshes(check))
 
 
 def test_partial_inputs_match_single_device_all_meshes():
-    for mesh_shape, world_size in MESHES:
-        assert all(n > 0 for n in run_world(check_linear_with_partial_inputs, world_size, mesh_shape))
+    assert all(n > 0 for n in run_on_meshes(check_linear_with_partial_inputs))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -253,9 +251,7 @@ def partial_cases(mesh_shape) -> list[str]:
 
 
 def test_partial_propagates_only_where_valid():
-    for mesh_shape, world_size in (((2,), 2), ((2, 2), 4)):
-        for failures in run_world(partial_cases, world_size, mesh_shape):
-            assert not failures, failures
+    assert_no_failures(run_on_meshes(partial_cases, (((2,), 2), ((2, 2), 4))))
 
 
 def in_place_partial_cases() -> list[str]:
@@ -280,18 +276,14 @@ def in_place_partial_cases() -> list[str]:
     ri = distribute_tensor(torch.ones(2, 3, dtype=torch.int64), mesh, [Replicate()])
     if (pi + ri).placements != (Replicate(),):  # ints cannot be partitioned (v / n): reduce instead
         failures.append("int P(sum) + R was not reduced")
-    try:
-        _pieces(mesh, (4, 3), "sum", 11)[0].fill_(2.0)
-        failures.append("fill_(2.0) on P(sum) did not raise")
-    except RuntimeError as e:
-        if "zero_()" not in str(e):
-            failures.append(f"unhelpful fill_ error: {e}")
+    failures += expect_error(
+        "fill_(2.0) on P(sum)", lambda: _pieces(mesh, (4, 3), "sum", 11)[0].fill_(2.0), RuntimeError, "zero_()"
+    )
     return failures
 
 
 def test_in_place_keeps_partial_and_refuses_fill_of_partial_sum():
-    for failures in run_world(in_place_partial_cases, 2):
-        assert not failures, failures
+    assert_no_failures(run_world(in_place_partial_cases, 2))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -303,11 +295,10 @@ def against_torch(mesh_shape) -> list[str]:
     import torch.distributed.tensor as tdt
     from torch.distributed.tensor.debug import CommDebugMode as TorchCommDebugMode
 
-    from tests.dtensor.harness import get_torch_mesh
+    from tests.dtensor.harness import get_torch_mesh, to_torch_placements
 
     mesh, tmesh = get_mesh(mesh_shape), get_torch_mesh(mesh_shape)
     ours_of = {"R": Replicate(), "S0": Shard(0), "S1": Shard(1), "P": Partial()}
-    theirs_of = {"R": tdt.Replicate(), "S0": tdt.Shard(0), "S1": tdt.Shard(1), "P": tdt.Partial()}
     cases = [
         (torch.add, ((5, 7), (7,)), ("S0", "R")), (torch.add, ((5, 7), (5, 7)), ("S0", "S1")),
         (torch.mul, ((4, 6), (4, 6)), ("P", "R")), (torch.mul, ((4, 6), (6,)), ("S1", "R")),
@@ -319,7 +310,7 @@ def against_torch(mesh_shape) -> list[str]:
         inputs = [_randn(*s, seed=i) for i, s in enumerate(shapes)]
         placements = [[ours_of[p]] * mesh.ndim for p in names]
         ours = [distribute_tensor(t, mesh, p) for t, p in zip(inputs, placements)]
-        theirs = [tdt.distribute_tensor(t, tmesh, [theirs_of[p]] * mesh.ndim) for t, p in zip(inputs, names)]
+        theirs = [tdt.distribute_tensor(t, tmesh, to_torch_placements(p)) for t, p in zip(inputs, placements)]
         with CommDebugMode() as comm:
             got = fn(*ours)
         with TorchCommDebugMode() as torch_comm:
@@ -334,34 +325,12 @@ def against_torch(mesh_shape) -> list[str]:
 
 
 def test_placements_and_communication_match_torch_dtensor():
-    for mesh_shape, world_size in (((2,), 2), ((2, 2), 4)):
-        for failures in run_world(against_torch, world_size, mesh_shape):
-            assert not failures, failures
+    assert_no_failures(run_on_meshes(against_torch, (((2,), 2), ((2, 2), 4))))
 
 
 # --------------------------------------------------------------------------------------------------
 # pure rule tests: no ranks, a fake mesh
 # --------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class FakeMesh:
-    shape: tuple[int, ...]
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    def size(self, mesh_dim: int) -> int:
-        return self.shape[mesh_dim]
-
-    def get_coordinate(self) -> list[int]:
-        return [0] * len(self.shape)
-
-
-def _spec(shape, *placements, mesh=FakeMesh((2,)), dtype=torch.float32) -> DTensorSpec:
-    stride = torch.empty(shape).stride()
-    return DTensorSpec(mesh, tuple(placements), TensorMeta(torch.Size(shape), stride, dtype))
 
 
 def _rule(op, *args, **kwargs):
@@ -370,32 +339,32 @@ def _rule(op, *args, **kwargs):
 
 
 def test_rule_follows_the_sharded_input_and_replicates_broadcast_dims():
-    x, b = _spec((4, 8), Shard(0)), _spec((8,), Replicate())
+    x, b = make_spec((4, 8), Shard(0)), make_spec((8,), Replicate())
     options = {(s.inputs, s.outputs) for s in _rule(aten.add.Tensor, x, b)}
     assert (((Shard(0),), (Replicate(),)), ((Shard(0),),)) in options  # b broadcasts along dim 0: R
-    y = _spec((1, 8), Shard(0))  # a size-1 dim that broadcasts: its shard cannot be followed
-    outputs = {s.outputs for s in _rule(aten.mul.Tensor, _spec((4, 8), Replicate()), y)}
+    y = make_spec((1, 8), Shard(0))  # a size-1 dim that broadcasts: its shard cannot be followed
+    outputs = {s.outputs for s in _rule(aten.mul.Tensor, make_spec((4, 8), Replicate()), y)}
     assert ((Shard(0),),) not in outputs and ((Replicate(),),) in outputs
 
 
 def test_rule_for_in_place_keeps_the_written_placements():
-    self, other = _spec((4, 8), Replicate()), _spec((4, 8), Shard(1))
+    self, other = make_spec((4, 8), Replicate()), make_spec((4, 8), Shard(1))
     for s in _rule(aten.add_.Tensor, self, other, alpha=2):
         assert s.outputs == ((Replicate(),),) and s.inputs == (None, (Replicate(),))
     with pytest.raises(RuntimeError, match="zero_"):
-        _rule(aten.fill_.Scalar, _spec((4,), Partial()), 2.0)
-    assert _rule(aten.fill_.Scalar, _spec((4,), Partial()), 0.0)[0].outputs == ((Partial(),),)
+        _rule(aten.fill_.Scalar, make_spec((4,), Partial()), 2.0)
+    assert _rule(aten.fill_.Scalar, make_spec((4,), Partial()), 0.0)[0].outputs == ((Partial(),),)
 
 
 def test_rule_partial_sum_needs_the_whole_linear_group():
-    p, r = _spec((4,), Partial()), _spec((4,), Replicate())
-    add_outputs = {s.outputs[0] for s in _rule(aten.add.Tensor, p, _spec((4,), Shard(0)))}
+    p, r = make_spec((4,), Partial()), make_spec((4,), Replicate())
+    add_outputs = {s.outputs[0] for s in _rule(aten.add.Tensor, p, make_spec((4,), Shard(0)))}
     assert (Partial(),) not in add_outputs  # a shard cannot become Partial
     assert {s.outputs[0] for s in _rule(aten.add.Scalar, p, 1.0)} == {(Replicate(),)}
     assert (Partial(),) in {s.outputs[0] for s in _rule(aten.mul.Tensor, r, p)}
     assert {s.outputs[0] for s in _rule(aten.div.Tensor, r, p)} == {(Replicate(),)}
     assert {s.outputs[0] for s in _rule(aten.exp.default, p)} == {(Replicate(),)}
-    assert (Partial("max"),) in {s.outputs[0] for s in _rule(aten.exp.default, _spec((4,), Partial("max")))}
+    assert (Partial("max"),) in {s.outputs[0] for s in _rule(aten.exp.default, make_spec((4,), Partial("max")))}
 
 
 def test_registered_ops_cover_the_family_and_nothing_else():

@@ -7,8 +7,6 @@ across ranks in the test process from each rank's local tensors.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 from torch import nn
@@ -18,10 +16,8 @@ from parallelisms.dtensor import Partial, Replicate, Shard, distribute_tensor
 from parallelisms.dtensor.debug import CommDebugMode
 from parallelisms.dtensor.ops.random import mix_seed, random_fill_, random_from_input, random_like, shard_index
 from parallelisms.dtensor.ops.registry import OpCall
-from parallelisms.dtensor.spec import DTensorSpec, TensorMeta
-from tests.dtensor.harness import get_mesh
+from tests.dtensor.harness import FakeMesh, get_mesh, make_spec
 from tests.world import run_world
-
 
 R, P = Replicate(), Partial()
 P_DROP = 0.3
@@ -32,33 +28,15 @@ P_DROP = 0.3
 # --------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class FakeMesh:
-    shape: tuple[int, ...]
-    coordinate: tuple[int, ...]
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    def size(self, dim: int) -> int:
-        return self.shape[dim]
-
-    def get_coordinate(self) -> list[int]:
-        return list(self.coordinate)
-
-
-def _spec(mesh: FakeMesh, *placements) -> DTensorSpec:
-    return DTensorSpec(mesh, tuple(placements), TensorMeta(torch.Size((8, 8)), (8, 1), torch.float32))
-
-
 def test_shard_index_ignores_replicate_mesh_dims() -> None:
-    index = {c: shard_index(_spec(FakeMesh((2, 3), c), R, Shard(0))) for c in [(0, 0), (1, 0), (0, 2), (1, 2)]}
+    coordinates = [(0, 0), (1, 0), (0, 2), (1, 2)]
+    index = {c: shard_index(make_spec((8, 8), R, Shard(0), mesh=FakeMesh((2, 3), c))) for c in coordinates}
     assert index[(0, 0)] == index[(1, 0)] == 0 and index[(0, 2)] == index[(1, 2)] == 2
 
 
 def test_shard_index_is_linear_over_sharding_mesh_dims() -> None:
-    got = sorted(shard_index(_spec(FakeMesh((2, 3), (i, j)), Shard(0), Shard(1))) for i in range(2) for j in range(3))
+    meshes = [FakeMesh((2, 3), (i, j)) for i in range(2) for j in range(3)]
+    got = sorted(shard_index(make_spec((8, 8), Shard(0), Shard(1), mesh=mesh)) for mesh in meshes)
     assert got == list(range(6))
 
 
@@ -69,19 +47,20 @@ def test_mix_seed_separates_neighbouring_shards_and_bases() -> None:
 
 def test_rules_keep_placements_but_turn_partial_into_replicate() -> None:
     mesh = FakeMesh((2, 2), (0, 0))
-    x = _spec(mesh, P, Shard(0))
+    x = make_spec((8, 8), P, Shard(0), mesh=mesh)
     dropout = random_from_input(OpCall(aten.native_dropout.default, (x, 0.5, True), {}))
     assert dropout.inputs == ((R, Shard(0)),) and dropout.outputs == ((R, Shard(0)),) * 2
     like = random_like(OpCall(aten.rand_like.default, (x,), {}))
     assert like.inputs == (None,) and like.outputs == ((R, Shard(0)),)  # the input is not read: no all_reduce
     with pytest.raises(NotImplementedError, match="cannot be Partial"):
         random_fill_(OpCall(aten.uniform_.default, (x,), {}))
-    assert random_fill_(OpCall(aten.uniform_.default, (_spec(mesh, R, Shard(1)),), {})).outputs == ((R, Shard(1)),)
+    target = make_spec((8, 8), R, Shard(1), mesh=mesh)
+    assert random_fill_(OpCall(aten.uniform_.default, (target,), {})).outputs == ((R, Shard(1)),)
 
 
 def test_rule_for_broadcast_probabilities_shards_them_with_self() -> None:
     mesh = FakeMesh((2,), (0,))
-    self, p_row = _spec(mesh, Shard(1)), DTensorSpec(mesh, (R,), TensorMeta(torch.Size((8,)), (1,), torch.float32))
+    self, p_row = make_spec((8, 8), Shard(1), mesh=mesh), make_spec((8,), R, mesh=mesh)
     got = random_from_input(OpCall(aten.bernoulli_.Tensor, (self, p_row), {}))
     assert got.inputs == ((Shard(1),), (Shard(0),)) and got.outputs == ((Shard(1),),)
 
@@ -218,9 +197,14 @@ def _module_dropout(mesh_shape: tuple[int, ...], placements: tuple) -> dict:
     }
 
 
-@pytest.mark.parametrize("mesh_shape,world_size,placements", [
-    ((2,), 2, (Shard(0),)), ((4,), 4, (R,)), ((2, 2), 4, (R, Shard(1))),
-])
+@pytest.mark.parametrize(
+    "mesh_shape,world_size,placements",
+    [
+        ((2,), 2, (Shard(0),)),
+        ((4,), 4, (R,)),
+        ((2, 2), 4, (R, Shard(1))),
+    ],
+)
 def test_nn_dropout_in_module_trains_on_dtensor(mesh_shape, world_size, placements) -> None:
     ranks = run_world(_module_dropout, world_size, mesh_shape, placements)
     full = ranks[0]["full"]
@@ -277,9 +261,19 @@ def _random_fills(mesh_shape: tuple[int, ...]) -> dict:
 def test_random_fills_keep_placements_and_agree_across_replicas(mesh_shape, world_size) -> None:
     ranks = run_world(_random_fills, world_size, mesh_shape)
     n = len(mesh_shape)
-    ranges = {"uniform_": (2, 3), "normal_": (4, 6), "bernoulli_": (0, 1), "exponential_": (0, 100),
-              "random_": (0, 9), "rand_like": (0, 1), "randn_like": (-10, 10), "randint_like": (3, 8),
-              "bernoulli": (0, 1), "bernoulli_p_row": (0, 1), "normal_mean": (1.9, 3.1)}
+    ranges = {
+        "uniform_": (2, 3),
+        "normal_": (4, 6),
+        "bernoulli_": (0, 1),
+        "exponential_": (0, 100),
+        "random_": (0, 9),
+        "rand_like": (0, 1),
+        "randn_like": (-10, 10),
+        "randint_like": (3, 8),
+        "bernoulli": (0, 1),
+        "bernoulli_p_row": (0, 1),
+        "normal_mean": (1.9, 3.1),
+    }
     for key, value in ranks[0].items():
         if not isinstance(key, tuple) or value[1] is None:
             continue

@@ -17,7 +17,6 @@ import torch._dynamo  # the first meta run of an op imports it: import it once, 
 from torch.ops import aten
 
 from parallelisms.dtensor import Partial, Replicate, Shard, distribute_tensor
-from parallelisms.dtensor.debug import CommDebugMode
 from parallelisms.dtensor.ops.reductions import (
     GATHER,
     LINEAR_SCAN,
@@ -30,10 +29,9 @@ from parallelisms.dtensor.ops.reductions import (
     reduction_shardings,
 )
 from parallelisms.dtensor.ops.registry import OpCall
-from tests.dtensor.harness import check_op, get_mesh, get_torch_mesh
+from tests.dtensor.harness import MESHES, check_op, get_mesh, get_torch_mesh, placements_and_collectives
 from tests.world import run_world
 
-MESHES = (((2,), 2), ((4,), 4), ((2, 2), 4))
 R, P = Replicate(), Partial()
 
 
@@ -182,10 +180,7 @@ def _local_reductions(mesh_shape: tuple[int, ...]) -> list[tuple]:
     results = []
     for placements, fn in cases:
         dx = distribute_tensor(x, mesh, placements)
-        with CommDebugMode() as comm:
-            out = fn(dx)
-        torch.testing.assert_close(out.full_tensor(), fn(x), atol=1e-5, rtol=1e-5)
-        results.append((tuple(map(str, out.placements)), comm.get_total_counts()))
+        results.append(placements_and_collectives(fn, (dx,), fn(x), atol=1e-5, rtol=1e-5))
     return results
 
 
@@ -203,33 +198,21 @@ def test_local_reductions_issue_no_collectives(mesh_shape, world_size) -> None:
     ]
 
 
-def _to_torch(p):
-    from torch.distributed.tensor import Partial as TP
-    from torch.distributed.tensor import Replicate as TR
-    from torch.distributed.tensor import Shard as TS
-
-    return TS(p.dim) if isinstance(p, Shard) else TP(p.reduce_op) if isinstance(p, Partial) else TR()
-
-
 def _sum_versus_torch(mesh_shape: tuple[int, ...]) -> list[str]:
     """sum over each dim (and all) under every placement: cases where we communicate more than torch
     or end with other placements."""
     from torch.distributed.tensor import distribute_tensor as torch_distribute
 
-    from tests.dtensor.harness import placement_choices
+    from tests.dtensor.harness import placement_choices, run_ours_and_torch, to_torch_placements
 
     mesh, tmesh = get_mesh(mesh_shape), get_torch_mesh(mesh_shape)
     x = torch.randn(5, 6, generator=torch.Generator().manual_seed(0))
     worse = []
     for placements in placement_choices(2, len(mesh_shape), partial=True):
         dx = distribute_tensor(x, mesh, placements)
-        tx = torch_distribute(x, tmesh, [_to_torch(p) for p in placements])
+        tx = torch_distribute(x, tmesh, to_torch_placements(placements))
         for dims in ((0,), (1,), (0, 1)):
-            with CommDebugMode() as ours:
-                out = dx.sum(dims)
-            with CommDebugMode() as theirs:
-                tout = tx.sum(dims)
-            torch.testing.assert_close(out.full_tensor(), tout.full_tensor(), atol=1e-5, rtol=1e-5)
+            out, tout, ours, theirs = run_ours_and_torch(torch.sum, (dx, dims), (tx, dims), atol=1e-5, rtol=1e-5)
             same = tuple(map(str, out.placements)) == tuple(map(str, tout.placements))
             if ours.get_total_counts() > theirs.get_total_counts() or not same:
                 worse.append(

@@ -1,5 +1,6 @@
-"""Tensor-op rules (ops/tensor_ops.py): copies and casts, factories, cat/stack, index_select,
-gather/scatter/index_add, advanced indexing, tril/triu, repeat/roll/flip, sort/topk, item/equal.
+"""Tensor-op rules (ops/tensor_ops.py, ops/indexing.py): copies and casts, factories, cat/stack,
+index_select, gather/scatter/index_add, advanced indexing, tril/triu, repeat/roll/flip, sort/topk,
+item/equal.
 
 Pure tests call the rules on hand-built specs (a fake mesh: rules only read shapes and placements).
 Rank tests run every op under (sampled) placements of each input, Partial included where the rule
@@ -11,42 +12,23 @@ They also count collectives for layouts that need none and compare with torch's 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 from torch.ops import aten
 
 from parallelisms.dtensor import Partial, Replicate, Shard, distribute_tensor
-from parallelisms.dtensor.debug import CommDebugMode
+from parallelisms.dtensor.ops.indexing import index, index_put
 from parallelisms.dtensor.ops.registry import OpCall, Sharding
-from parallelisms.dtensor.ops.tensor_ops import cat, copy, index, index_put, reachable, sort_topk, to_copy, tril_triu
-from parallelisms.dtensor.spec import DTensorSpec, TensorMeta
-from tests.dtensor.harness import check_op, get_mesh, get_torch_mesh
+from parallelisms.dtensor.ops.tensor_ops import cat, copy, reachable, sort_topk, to_copy, tril_triu
+from tests.dtensor.harness import MESHES, check_op, expect_error, get_mesh, make_spec, placements_and_collectives
 from tests.world import run_world
 
-
-MESHES = (((2,), 2), ((4,), 4), ((2, 2), 4))
 R, P = Replicate(), Partial()
 
 
 # --------------------------------------------------------------------------------------------------
 # pure rule tests (no ranks)
 # --------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class FakeMesh:
-    shape: tuple[int, ...]
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-
-def spec(shape: tuple[int, ...], *placements, dtype: torch.dtype = torch.float32) -> DTensorSpec:
-    stride = torch.empty(shape).stride()
-    return DTensorSpec(FakeMesh((2,) * len(placements)), tuple(placements), TensorMeta(torch.Size(shape), stride, dtype))
 
 
 def outputs(candidates: Sharding | list[Sharding]) -> set[tuple]:
@@ -56,63 +38,63 @@ def outputs(candidates: Sharding | list[Sharding]) -> set[tuple]:
 
 
 def test_cat_along_sharded_dim_never_keeps_that_shard() -> None:
-    a, b = spec((5, 7), Shard(0)), spec((3, 7), Shard(0))
+    a, b = make_spec((5, 7), Shard(0)), make_spec((3, 7), Shard(0))
     outs = outputs(cat(OpCall(aten.cat.default, ((a, b), 0), {})))
     assert ((Shard(0),),) not in outs and ((R,),) in outs and ((Shard(1),),) in outs
 
 
 def test_cat_legacy_empty_input_stays_replicated() -> None:
-    a, empty = spec((5, 7), Shard(1)), spec((0,), R)
+    a, empty = make_spec((5, 7), Shard(1)), make_spec((0,), R)
     for c in cat(OpCall(aten.cat.default, ((a, empty), 0), {})):
         assert c.inputs[1] == (R,)
 
 
 def test_tril_never_shards_the_last_two_dims() -> None:
-    x = spec((3, 5, 7), Shard(2), Shard(1))
+    x = make_spec((3, 5, 7), Shard(2), Shard(1))
     for c in tril_triu(OpCall(aten.tril.default, (x,), {})):
         assert all(not p.is_shard(1) and not p.is_shard(2) for p in c.outputs[0])
 
 
 def test_sort_drops_partial_and_the_sorted_dim() -> None:
-    x = spec((5, 7), P)
+    x = make_spec((5, 7), P)
     for c in sort_topk(OpCall(aten.sort.default, (x, 1), {})):
         assert c.outputs[0] == c.outputs[1] and c.outputs[0] in ((R,), (Shard(0),))
 
 
 def test_to_copy_keeps_partial_except_through_integer_or_bool_casts() -> None:
-    x = spec((5, 7), P, Shard(0))
+    x = make_spec((5, 7), P, Shard(0))
     assert to_copy(OpCall(aten._to_copy.default, (x,), {"dtype": torch.float64})).outputs == ((P, Shard(0)),)
     assert to_copy(OpCall(aten._to_copy.default, (x,), {"dtype": torch.int64})).outputs == ((R, Shard(0)),)
-    mx = spec((5, 7), Partial("max"))  # trunc is monotone: max commutes with it
+    mx = make_spec((5, 7), Partial("max"))  # trunc is monotone: max commutes with it
     assert to_copy(OpCall(aten._to_copy.default, (mx,), {"dtype": torch.int32})).outputs == ((Partial("max"),),)
     assert to_copy(OpCall(aten._to_copy.default, (mx,), {"dtype": torch.bool})).outputs == ((R,),)
 
 
 def test_inplace_copy_moves_src_to_self_and_refuses_shard_to_partial() -> None:
-    self, src = spec((5, 7), Shard(1)), spec((7,), R)  # src broadcasts along dim 0
+    self, src = make_spec((5, 7), Shard(1)), make_spec((7,), R)  # src broadcasts along dim 0
     (only,) = copy(OpCall(aten.copy_.default, (self, src), {}))
     assert only.inputs == ((Shard(1),), (Shard(0),)) and only.outputs == ((Shard(1),),)
     with pytest.raises(NotImplementedError, match="in-place target"):
-        copy(OpCall(aten.copy_.default, (spec((5, 7), P), spec((5, 7), Shard(0))), {}))
+        copy(OpCall(aten.copy_.default, (make_spec((5, 7), P), make_spec((5, 7), Shard(0))), {}))
 
 
 def test_index_keeps_non_indexed_shards_and_maps_their_dims() -> None:
-    x, i = spec((5, 7, 3), Shard(2)), spec((4,), R, dtype=torch.int64)
+    x, i = make_spec((5, 7, 3), Shard(2)), make_spec((4,), R, dtype=torch.int64)
     outs = outputs(index(OpCall(aten.index.Tensor, (x, (None, i)), {})))
     assert ((Shard(2),),) in outs  # out (5, 4, 3): dim 2 stays dim 2
-    x0 = spec((5, 7, 3), Shard(1))
+    x0 = make_spec((5, 7, 3), Shard(1))
     outs = outputs(index(OpCall(aten.index.Tensor, (x0, (i, None, i)), {})))  # non-consecutive: out (4, 7)
     assert ((Shard(1),),) in outs
 
 
 def test_index_rejects_boolean_masks_with_advice() -> None:
-    x, mask = spec((5, 7), R), spec((5, 7), R, dtype=torch.bool)
+    x, mask = make_spec((5, 7), R), make_spec((5, 7), R, dtype=torch.bool)
     with pytest.raises(NotImplementedError, match="boolean-mask"):
         index(OpCall(aten.index.Tensor, (x, (mask,)), {}))
 
 
 def test_index_put_accumulate_offers_sharded_indices_into_partial() -> None:
-    x, i, v = spec((5, 7), R), spec((4,), Shard(0), dtype=torch.int64), spec((4, 7), Shard(0))
+    x, i, v = make_spec((5, 7), R), make_spec((4,), Shard(0), dtype=torch.int64), make_spec((4, 7), Shard(0))
     got = {(c.inputs, c.outputs) for c in index_put(OpCall(aten.index_put.default, (x, (i,), v, True), {}))}
     assert (((P,), (Shard(0),), (Shard(0),)), ((P,),)) in got
     plain = {c.outputs for c in index_put(OpCall(aten.index_put.default, (x, (i,), v, False), {}))}
@@ -209,11 +191,14 @@ def test_tensor_ops_match_single_device(mesh_shape, world_size) -> None:
     assert run_world(_check_tensor_ops, world_size, mesh_shape, max_combos)[0] > 0
 
 
+def _mesh_and_generator(mesh_shape: tuple[int, ...], seed: int) -> tuple:
+    """This rank's mesh, its number of dims, and a generator seeded alike on every rank."""
+    return get_mesh(mesh_shape), len(mesh_shape), torch.Generator().manual_seed(seed)
+
+
 def _check_scalars_and_factories(mesh_shape: tuple[int, ...]) -> list[str]:
     """item / equal / is_same_size give the global answer; empty_like / new_empty get the right layout."""
-    mesh = get_mesh(mesh_shape)
-    n = len(mesh_shape)
-    gen = torch.Generator().manual_seed(1)
+    mesh, n, gen = _mesh_and_generator(mesh_shape, 1)
     x = torch.randn(5, 7, generator=gen)
     problems = []
     for placements in [(Shard(0),) * n, (Shard(1),) + (R,) * (n - 1), (P,) * n]:
@@ -239,9 +224,7 @@ def test_item_equal_and_factories_give_global_answers(mesh_shape, world_size) ->
 
 def _check_inplace(mesh_shape: tuple[int, ...]) -> list[str]:
     """In-place ops keep the target's placements; an impossible one raises before any data moves."""
-    mesh = get_mesh(mesh_shape)
-    n = len(mesh_shape)
-    gen = torch.Generator().manual_seed(2)
+    mesh, n, gen = _mesh_and_generator(mesh_shape, 2)
     x, v, i = torch.randn(5, 7, generator=gen), torch.randn(5, 4, generator=gen), torch.tensor([6, 0, 3, 3])
     s0 = (Shard(0),) * n
     d = distribute_tensor(x, mesh, s0)
@@ -254,12 +237,12 @@ def _check_inplace(mesh_shape: tuple[int, ...]) -> list[str]:
     if d.placements != s0 or not torch.allclose(d.full_tensor(), w.expand(5, 7)):
         problems.append("copy_ S(0)")
     d = distribute_tensor(x, mesh, (Shard(1),) * n)
-    try:  # dim 1 is indexed and sharded in place: no legal plan
-        aten.index_put_(d, [None, distribute_tensor(i, mesh, (R,) * n)], distribute_tensor(v, mesh, (R,) * n))
-        problems.append("index_put_ into S(1) did not raise")
-    except NotImplementedError as e:
-        if "in-place target" not in str(e):
-            problems.append(f"unclear error: {e}")
+    problems += expect_error(  # dim 1 is indexed and sharded in place: no legal plan
+        "index_put_ into S(1)",
+        lambda: aten.index_put_(d, [None, distribute_tensor(i, mesh, (R,) * n)], distribute_tensor(v, mesh, (R,) * n)),
+        NotImplementedError,
+        "in-place target",
+    )
     return problems
 
 
@@ -270,9 +253,7 @@ def test_inplace_index_put_and_copy_keep_target_placements(mesh_shape, world_siz
 
 def _local_layouts(mesh_shape: tuple[int, ...]) -> list[tuple]:
     """(output placements, collectives) of layouts that need no communication."""
-    mesh = get_mesh(mesh_shape)
-    n = len(mesh_shape)
-    gen = torch.Generator().manual_seed(3)
+    mesh, n, gen = _mesh_and_generator(mesh_shape, 3)
     x, y, idx = torch.randn(5, 7, generator=gen), torch.randn(3, 7, generator=gen), torch.tensor([4, 0, 2, 2])
     s0, s1, rr = (Shard(0),) * n, (Shard(1),) * n, (R,) * n
     cases = [
@@ -289,10 +270,7 @@ def _local_layouts(mesh_shape: tuple[int, ...]) -> list[tuple]:
     results = []
     for fn, args in cases:
         dargs = [distribute_tensor(t, mesh, p) for t, p in args]
-        with CommDebugMode() as comm:
-            out = fn(*dargs)
-        torch.testing.assert_close(out.full_tensor(), fn(*[t for t, _ in args]))
-        results.append((tuple(map(str, out.placements)), comm.get_total_counts()))
+        results.append(placements_and_collectives(fn, dargs, fn(*[t for t, _ in args])))
     return results
 
 
@@ -304,19 +282,11 @@ def test_local_layouts_issue_no_collectives(mesh_shape, world_size) -> None:
     assert got == [(s1, 0), (("P(sum)",) * n, 0), (s0, 0), (s0, 0), (s0, 0), (s0, 0), (s0, 0), (s0, 0), (s1, 0)]
 
 
-def _to_torch(p):
-    from torch.distributed.tensor import Partial as TP
-    from torch.distributed.tensor import Replicate as TR
-    from torch.distributed.tensor import Shard as TS
-
-    return TS(p.dim) if isinstance(p, Shard) else TP(p.reduce_op) if isinstance(p, Partial) else TR()
-
-
 def _versus_torch(mesh_shape: tuple[int, ...]) -> list[str]:
     """Ops where torch's DTensor issues fewer collectives than ours (or gets other values)."""
     from torch.distributed.tensor import distribute_tensor as torch_distribute
 
-    from tests.dtensor.harness import placement_choices
+    from tests.dtensor.harness import get_torch_mesh, placement_choices, run_ours_and_torch, to_torch_placements
 
     mesh, tmesh = get_mesh(mesh_shape), get_torch_mesh(mesh_shape)
     gen = torch.Generator().manual_seed(4)
@@ -337,15 +307,13 @@ def _versus_torch(mesh_shape: tuple[int, ...]) -> list[str]:
         for combo in choices:
             placements = [combo if t.is_floating_point() else (R,) * len(mesh_shape) for t in inputs]
             ours_in = [distribute_tensor(t, mesh, p) for t, p in zip(inputs, placements)]
-            theirs_in = [torch_distribute(t, tmesh, [_to_torch(q) for q in p]) for t, p in zip(inputs, placements)]
-            with CommDebugMode() as ours:
-                out = fn(*ours_in)
-            with CommDebugMode() as theirs:
-                tout = fn(*theirs_in)
-            torch.testing.assert_close(out.full_tensor(), tout.full_tensor())
+            theirs_in = [torch_distribute(t, tmesh, to_torch_placements(p)) for t, p in zip(inputs, placements)]
+            _, _, ours, theirs = run_ours_and_torch(fn, ours_in, theirs_in)
             if ours.get_total_counts() > theirs.get_total_counts():
-                worse.append(f"{name} {[tuple(map(str, p)) for p in placements]}: {ours.get_comm_counts()} vs "
-                             f"{theirs.get_comm_counts()}")
+                worse.append(
+                    f"{name} {[tuple(map(str, p)) for p in placements]}: {ours.get_comm_counts()} vs "
+                    f"{theirs.get_comm_counts()}"
+                )
     return worse
 
 

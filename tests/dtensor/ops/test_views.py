@@ -1,8 +1,9 @@
-"""Tests for the view family rules (parallelisms/dtensor/ops/views.py).
+"""Tests for the view family rules (parallelisms/dtensor/ops/views.py, view_dims.py).
 
-Tier (a): the pure dim maps and shard propagation, checked against real local views on simulated
-ranks. Tier (b): every op on meshes (2,), (4,), (2, 2) through check_op (outputs and grads vs one
-device), aliasing of local views, the Llama RoPE pattern, and torch's DTensor as an oracle.
+Tier (a): the pure dim maps and shard propagation (view_dims.py), checked against real local views
+on simulated ranks. Tier (b): every op on meshes (2,), (4,), (2, 2) through check_op (outputs and
+grads vs one device), aliasing of local views, the Llama RoPE pattern, and torch's DTensor as an
+oracle.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 
 from parallelisms.dtensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from parallelisms.dtensor.ops import RULES
-from parallelisms.dtensor.ops.views import (
+from parallelisms.dtensor.ops.view_dims import (
     Group,
     InputDim,
     NewDim,
@@ -27,11 +28,10 @@ from parallelisms.dtensor.ops.views import (
     view_groups,
 )
 from parallelisms.dtensor.placements import local_shape_and_offset
-from tests.dtensor.harness import check_op, get_mesh, get_torch_mesh
+from tests.dtensor.harness import MESHES, check_op, get_mesh, get_torch_mesh, to_torch_placements
 from tests.world import run_world
 
 aten = torch.ops.aten
-MESHES = [((2,), 2), ((4,), 4), ((2, 2), 4)]
 MESH_IDS = ["mesh2", "mesh4", "mesh2x2"]
 
 
@@ -59,7 +59,9 @@ def test_dim_maps_squeeze_and_expand_use_global_sizes():
 
 
 def test_group_shards_align_follows_torch_chunk():
-    flat = lambda a, b: Group((0, 1), (a, b), (a * b,), 0)
+    def flat(a: int, b: int) -> Group:
+        return Group((0, 1), (a, b), (a * b,), 0)
+
     assert not group_shards_align(flat(5, 6), [2])  # [18, 12] vs [15, 15]
     assert group_shards_align(flat(8, 6), [4])
     assert group_shards_align(flat(3, 2), [4])  # [2, 2, 2, 0] both ways (empty last shard)
@@ -372,17 +374,6 @@ DIFF_CASES = [  # (name, fn, global shape)
 # we do not model; we gather instead: flatten of an inner-sharded dim, e.g. (4, 6) S(1) -> (24,).
 
 
-def _to_torch_placements(placements):
-    from torch.distributed import tensor as tdt
-
-    convert = {
-        Shard: lambda p: tdt.Shard(p.dim),
-        Replicate: lambda p: tdt.Replicate(),
-        Partial: lambda p: tdt.Partial(p.reduce_op),
-    }
-    return [convert[type(p)](p) for p in placements]
-
-
 def _differential(mesh_shape: tuple[int, ...]) -> dict[str, list[str]]:
     from torch.distributed import tensor as tdt
     from torch.distributed.tensor.debug import CommDebugMode as TorchCommDebugMode
@@ -395,7 +386,7 @@ def _differential(mesh_shape: tuple[int, ...]) -> dict[str, list[str]]:
         full = _rand(*shape)
         for placements in itertools.product([Replicate(), *map(Shard, range(len(shape)))], repeat=len(mesh_shape)):
             ours_in = distribute_tensor(full, mesh, list(placements))
-            theirs_in = tdt.distribute_tensor(full, tmesh, _to_torch_placements(placements))
+            theirs_in = tdt.distribute_tensor(full, tmesh, to_torch_placements(placements))
             with CommDebugMode() as ours_comm:
                 ours = fn(ours_in)
             what = f"{name} {tuple(map(str, placements))}"
