@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Run the shared DTensor overhead benchmark for torch and for meshtrain back to back; print ratios.
 
     python bench/dtensor_overhead.py [--only micro,redist] [--repeat 3] [--shared ../shared]
@@ -11,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -43,7 +43,7 @@ def main() -> None:
     print(f"{'case':52s} {'torch_us':>10s} {'ours_us':>10s} {'ours/torch':>10s}")
     for case in t_med:
         t, o = t_med[case], o_med.get(case, float("nan"))
-        ratio = o / t if t and t == t and o == o else float("nan")
+        ratio = o / t if t and not math.isnan(t) and not math.isnan(o) else float("nan")
         print(f"{case:52s} {t:10.1f} {o:10.1f} {ratio:10.2f}")
     for impl, res in (("torch", torch_res), ("ours", ours)):
         for case, err in res.get("errors", {}).items():

@@ -17,9 +17,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--job.config_file", dest="config_file", default="./configs/debug_model.toml")
     args, overrides = parser.parse_known_args(argv)
-    logging.basicConfig(level=logging.INFO, format=f"[rank{os.environ.get('RANK', '0')}] %(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"[rank{os.environ.get('RANK', '0')}] %(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     logger.info("config %s, overrides %s", args.config_file, overrides)
-    logger.info("trainer not built yet: the DTensor core is in place (parallelisms.dtensor); the training loop is a later issue")
+    logger.info(
+        "trainer not built yet: the DTensor core is in place (parallelisms.dtensor); the training loop is a later issue"
+    )
     return 0
 
 

@@ -1,5 +1,7 @@
 """meshtrain's distributed tensor; public names and semantics mirror torch's DTensor (torch 2.13)."""
 
+from typing import Any
+
 from torch.optim.optimizer import _foreach_supported_types as _optim_foreach_types
 from torch.utils._foreach_utils import _foreach_supported_types as _util_foreach_types
 
@@ -11,7 +13,9 @@ from .placements import Partial, Placement, Replicate, Shard
 
 # torch.optim and clip_grad_norm_ take their fast foreach paths only for tensor types on these lists
 # (torch's own DTensor registers itself the same way); our foreach rules keep those paths sharded.
-for _types in (_optim_foreach_types, _util_foreach_types):
+# (torch leaves the lists unannotated, so mypy infers Tensor's constructor type for their items)
+_foreach_type_lists: tuple[list[Any], ...] = (_optim_foreach_types, _util_foreach_types)
+for _types in _foreach_type_lists:
     if DTensor not in _types:
         _types.append(DTensor)
 

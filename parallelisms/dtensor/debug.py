@@ -17,7 +17,7 @@ from collections import defaultdict
 from typing import Any
 
 import torch
-import torch.distributed._functional_collectives  # noqa: F401  (registers the c10d_functional keys)
+import torch.distributed._functional_collectives  # registers the c10d_functional keys
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -95,7 +95,7 @@ class CommDebugMode(TorchDispatchMode):
     def get_comm_bytes(self) -> dict[Any, int]:
         return dict(self.comm_bytes)
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(_defers_to_subclass(t) for t in types):
             # A DTensor op (ours or torch's): let the subclass run with this mode still active, so
             # the collectives it issues on local tensors come back here and are counted. Handling

@@ -38,7 +38,11 @@ class DeviceMesh:
         _groups: list[ProcessGroup | None] | None = None,
     ) -> None:
         _check_device_type(device_type)
-        ranks = mesh.detach().to("cpu", torch.int64) if isinstance(mesh, torch.Tensor) else torch.tensor(mesh, dtype=torch.int64)
+        ranks = (
+            mesh.detach().to("cpu", torch.int64)
+            if isinstance(mesh, torch.Tensor)
+            else torch.tensor(mesh, dtype=torch.int64)
+        )
         self.device_type = device_type
         self.mesh = ranks
         self.mesh_dim_names = _check_dim_names(mesh_dim_names, ranks.ndim)
@@ -132,7 +136,8 @@ class DeviceMesh:
         if cached is not None:
             if cached._root_dims != (dims,):
                 raise ValueError(
-                    f"flatten name {name!r} already names root dims {cached._root_dims[0]}, not {dims}; pick another name"
+                    f"flatten name {name!r} already names root dims {cached._root_dims[0]}, not {dims}; "
+                    f"pick another name"
                 )
             return cached
         if dims not in root._flat_groups:
@@ -159,10 +164,19 @@ class DeviceMesh:
         used = [d for dims in root_dims for d in dims]
         rest = [d for d in range(self.ndim) if d not in used]
         coord = self._coordinate or (0,) * self.ndim
-        ranks = self.mesh.permute(*used, *rest)[(...,) + tuple(coord[d] for d in rest)] if rest else self.mesh.permute(*used)
+        ranks = (
+            self.mesh.permute(*used, *rest)[(...,) + tuple(coord[d] for d in rest)]
+            if rest
+            else self.mesh.permute(*used)
+        )
         shape = [math.prod(self._shape[d] for d in dims) for dims in root_dims]
         return DeviceMesh(
-            self.device_type, ranks.reshape(shape), mesh_dim_names=names, _root=self, _root_dims=root_dims, _groups=groups
+            self.device_type,
+            ranks.reshape(shape),
+            mesh_dim_names=names,
+            _root=self,
+            _root_dims=root_dims,
+            _groups=groups,
         )
 
     def _dim_index(self, mesh_dim: int | str) -> int:
@@ -221,7 +235,7 @@ def init_default_process_group(device_type: str) -> None:
     """Default process group from torchrun's env (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)."""
     backend = BACKEND_FOR_DEVICE[device_type]
     if device_type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend)
     else:  # a plain `python script.py`: a world of one process
@@ -256,7 +270,11 @@ def _create_line_groups(ranks: torch.Tensor, dims: tuple[int, ...]) -> ProcessGr
 
 def _check_device_type(device_type: str) -> None:
     if device_type not in DEVICE_TYPES:
-        hint = f"; pass {device_type.split(':')[0]!r}: the device index comes from LOCAL_RANK" if ":" in device_type else ""
+        hint = (
+            f"; pass {device_type.split(':')[0]!r}: the device index comes from LOCAL_RANK"
+            if ":" in device_type
+            else ""
+        )
         raise ValueError(f"device_type {device_type!r} is not supported, use one of {DEVICE_TYPES}{hint}")
 
 

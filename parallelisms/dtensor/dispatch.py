@@ -10,20 +10,21 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch._ops import OpOverload
 
 from .dtensor import DTensor
+from .ops import RULES, OpCall, Sharding, rule_file_for
+from .ops import random as random_ops
+from .ops.registry import LOCAL_SHAPE, LocalImpl
 from .placements import Partial, Placement, Replicate, Shard
 from .redistribute import plan_transitions, redistribute_local
 from .spec import DTensorSpec, TensorMeta
-from .ops import RULES, OpCall, Sharding, rule_file_for
-from .ops.registry import LOCAL_SHAPE, LocalImpl
-from .ops import random as random_ops
 
 logger = logging.getLogger(__name__)
 DEBUG = os.environ.get("MESHTRAIN_DEBUG", "0") not in ("", "0")
@@ -63,11 +64,13 @@ def dispatch(op: OpOverload, args: tuple, kwargs: dict | None) -> Any:
     try:
         plan = PLANS.get(key)
     except TypeError:  # an unhashable static arg: decide without caching
-        key, plan = None, None
+        plan = None
     if plan is None:
         plan = build_plan(op, key_args, dict(key_kwargs) if key_kwargs else {}, dtensors)
-        if key is not None:
+        try:
             PLANS[key] = plan
+        except TypeError:  # unhashable, as above
+            pass
     if plan.redistributes:
         local_args, local_kwargs = _redistribute_inputs(op, args, kwargs, dtensors, plan)
     if plan.plain:
@@ -75,8 +78,8 @@ def dispatch(op: OpOverload, args: tuple, kwargs: dict | None) -> Any:
     else:
         out = _run_special(op, plan, local_args, local_kwargs)
     if plan.returns == "new":
-        if type(out) is torch.Tensor:
-            return DTensor(out, plan.output_specs[0])
+        if type(out) is torch.Tensor:  # a tensor output always has a spec (None marks non-tensor outputs)
+            return DTensor(out, plan.output_specs[0])  # type: ignore[arg-type]
         return _wrap(out, plan.output_specs)
     return args[0] if plan.returns == "self" else kwargs["out"]
 
@@ -121,11 +124,14 @@ def _unwrap_one(op: OpOverload, a: Any, dtensors: list[DTensor]) -> tuple[Any, A
 
 
 _INT = frozenset({int})
-_STATIC_TYPES = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout})
+_STATIC_TYPES = frozenset(
+    {int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout}
+)
 
 
 def _unwrap_all(op: OpOverload, args: tuple, dtensors: list[DTensor]) -> tuple[tuple, list]:
-    keys, locals_ = [], []
+    keys: list[Any] = []
+    locals_: list[Any] = []
     for a in args:
         if type(a) is DTensor:  # the common cases first, without the generic checks
             dtensors.append(a)
@@ -244,7 +250,7 @@ def redistribute_cost(specs: list[DTensorSpec], targets: tuple) -> float:
         current = list(spec.placements)
         for t in plan_transitions(spec, target):
             n = spec.mesh.size(t.mesh_dim)
-            numel = spec.shape.numel()  # the tensor this mesh dim's group works on: sharded by the others
+            numel: float = spec.shape.numel()  # the tensor this mesh dim's group works on: sharded by the others
             for m, p in enumerate(current):
                 if m != t.mesh_dim and isinstance(p, Shard):
                     numel /= spec.mesh.size(m)
@@ -281,12 +287,19 @@ def _finish_plan(call: OpCall, choice: Sharding) -> Plan:
     _check_mutation(op, call, specs, choice, output_specs)
     redistributes = any(t is not None and t != s.placements for s, t in zip(specs, choice.inputs))
     local_args = _resolve_local_args(choice.local_args, output_specs)
+    random = random_ops.is_random(op)
     return Plan(
-        tuple(choice.inputs), output_specs, redistributes, random_ops.is_random(op), _returns(op, call),
-        choice.local_op, local_args,
-        choice.local_impl, tuple(input_specs) if choice.local_impl is not None else (),
-        tuple(i for i, a in enumerate(local_args or ()) if isinstance(a, DTensorSpec)),
-        plain=choice.local_op is None and local_args is None and choice.local_impl is None and not random_ops.is_random(op),
+        input_placements=tuple(choice.inputs),
+        output_specs=output_specs,
+        redistributes=redistributes,
+        random=random,
+        returns=_returns(op, call),
+        local_op=choice.local_op,
+        local_args=local_args,
+        local_impl=choice.local_impl,
+        input_specs=tuple(input_specs) if choice.local_impl is not None else (),
+        local_tensor_positions=tuple(i for i, a in enumerate(local_args or ()) if isinstance(a, DTensorSpec)),
+        plain=choice.local_op is None and local_args is None and choice.local_impl is None and not random,
     )
 
 
@@ -332,9 +345,7 @@ def _output_metas(call: OpCall, input_specs: list[DTensorSpec]) -> list[TensorMe
         meta_kwargs["device"] = "meta"
     out = call.op(*meta_args, **meta_kwargs)
     leaves = out if isinstance(out, (tuple, list)) else [out]
-    return [
-        TensorMeta(o.shape, tuple(o.stride()), o.dtype) if isinstance(o, torch.Tensor) else None for o in leaves
-    ]
+    return [TensorMeta(o.shape, tuple(o.stride()), o.dtype) if isinstance(o, torch.Tensor) else None for o in leaves]
 
 
 def _check_same_mesh(op: OpOverload, specs: list[DTensorSpec]) -> None:

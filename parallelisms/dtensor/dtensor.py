@@ -44,7 +44,9 @@ class DTensor(torch.Tensor):
         r._spec = spec
         return r
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    # torch's stub types this C function without the class argument it is called with (torch's
+    # SparseSemiStructuredTensor ignores the same error)
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
@@ -169,12 +171,12 @@ class _FromLocal(torch.autograd.Function):
     """local -> DTensor; backward hands each rank its shard of the grad in `grad_placements`."""
 
     @staticmethod
-    def forward(ctx, local: torch.Tensor, spec: DTensorSpec, grad_placements: tuple[Placement, ...]):  # type: ignore[override]
+    def forward(ctx, local: torch.Tensor, spec: DTensorSpec, grad_placements: tuple[Placement, ...]) -> DTensor:
         ctx.grad_placements = grad_placements
         return DTensor(local.view_as(local), spec, requires_grad=local.requires_grad)
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         if not isinstance(grad, DTensor):
             raise TypeError(f"from_local backward expects a DTensor grad, got {type(grad).__name__}")
         local = redistribute_local(grad._local_tensor, grad._spec, ctx.grad_placements)
@@ -185,14 +187,14 @@ class _ToLocal(torch.autograd.Function):
     """DTensor -> local; backward wraps the local grad with `grad_placements`."""
 
     @staticmethod
-    def forward(ctx, input: DTensor, grad_placements: tuple[Placement, ...]):  # type: ignore[override]
+    def forward(ctx, input: DTensor, grad_placements: tuple[Placement, ...]) -> torch.Tensor:
         ctx.spec = input._spec
         ctx.grad_placements = grad_placements
         local = input._local_tensor
         return local.view_as(local)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor) -> tuple[DTensor, None]:
         spec: DTensorSpec = ctx.spec
         meta = TensorMeta(spec.shape, spec.stride, grad.dtype)
         return DTensor(grad, DTensorSpec(spec.mesh, ctx.grad_placements, meta)), None

@@ -49,35 +49,97 @@ def _build(
     return DTensor(local.requires_grad_(requires_grad), spec, requires_grad=requires_grad)
 
 
-def zeros(*size, dtype=None, requires_grad=False, device_mesh=None, placements=None) -> DTensor:
-    return _build(lambda s, o, d, dev, g: torch.zeros(s, dtype=d, device=dev), size, dtype, requires_grad, device_mesh, placements)
-
-
-def ones(*size, dtype=None, requires_grad=False, device_mesh=None, placements=None) -> DTensor:
-    return _build(lambda s, o, d, dev, g: torch.ones(s, dtype=d, device=dev), size, dtype, requires_grad, device_mesh, placements)
-
-
-def empty(*size, dtype=None, requires_grad=False, device_mesh=None, placements=None) -> DTensor:
-    return _build(lambda s, o, d, dev, g: torch.empty(s, dtype=d, device=dev), size, dtype, requires_grad, device_mesh, placements)
-
-
-def full(size, fill_value, *, dtype=None, requires_grad=False, device_mesh=None, placements=None) -> DTensor:
+def zeros(
+    *size: int | Sequence[int],
+    dtype: torch.dtype | None = None,
+    requires_grad: bool = False,
+    device_mesh: DeviceMesh | None = None,
+    placements: Sequence[Placement] | None = None,
+) -> DTensor:
     return _build(
-        lambda s, o, d, dev, g: torch.full(s, fill_value, dtype=d, device=dev),
-        (size,), dtype, requires_grad, device_mesh, placements,
+        lambda s, o, d, dev, g: torch.zeros(s, dtype=d, device=dev), size, dtype, requires_grad, device_mesh, placements
     )
 
 
-def rand(*size, dtype=None, requires_grad=False, device_mesh=None, placements=None) -> DTensor:
+def ones(
+    *size: int | Sequence[int],
+    dtype: torch.dtype | None = None,
+    requires_grad: bool = False,
+    device_mesh: DeviceMesh | None = None,
+    placements: Sequence[Placement] | None = None,
+) -> DTensor:
+    return _build(
+        lambda s, o, d, dev, g: torch.ones(s, dtype=d, device=dev), size, dtype, requires_grad, device_mesh, placements
+    )
+
+
+def empty(
+    *size: int | Sequence[int],
+    dtype: torch.dtype | None = None,
+    requires_grad: bool = False,
+    device_mesh: DeviceMesh | None = None,
+    placements: Sequence[Placement] | None = None,
+) -> DTensor:
+    return _build(
+        lambda s, o, d, dev, g: torch.empty(s, dtype=d, device=dev), size, dtype, requires_grad, device_mesh, placements
+    )
+
+
+def full(
+    size: Sequence[int],
+    fill_value: float,
+    *,
+    dtype: torch.dtype | None = None,
+    requires_grad: bool = False,
+    device_mesh: DeviceMesh | None = None,
+    placements: Sequence[Placement] | None = None,
+) -> DTensor:
+    return _build(
+        lambda s, o, d, dev, g: torch.full(s, fill_value, dtype=d, device=dev),
+        (size,),
+        dtype,
+        requires_grad,
+        device_mesh,
+        placements,
+    )
+
+
+def rand(
+    *size: int | Sequence[int],
+    dtype: torch.dtype | None = None,
+    requires_grad: bool = False,
+    device_mesh: DeviceMesh | None = None,
+    placements: Sequence[Placement] | None = None,
+) -> DTensor:
     """Uniform [0, 1) values; the same global tensor on any mesh and placements."""
     base = _base_seed()
-    return _build(lambda s, o, d, dev, g: _blocked(torch.rand, base, s, o, d, dev, g), size, dtype, requires_grad, device_mesh, placements)
+    return _build(
+        lambda s, o, d, dev, g: _blocked(torch.rand, base, s, o, d, dev, g),
+        size,
+        dtype,
+        requires_grad,
+        device_mesh,
+        placements,
+    )
 
 
-def randn(*size, dtype=None, requires_grad=False, device_mesh=None, placements=None) -> DTensor:
+def randn(
+    *size: int | Sequence[int],
+    dtype: torch.dtype | None = None,
+    requires_grad: bool = False,
+    device_mesh: DeviceMesh | None = None,
+    placements: Sequence[Placement] | None = None,
+) -> DTensor:
     """Standard normal values; the same global tensor on any mesh and placements."""
     base = _base_seed()
-    return _build(lambda s, o, d, dev, g: _blocked(torch.randn, base, s, o, d, dev, g), size, dtype, requires_grad, device_mesh, placements)
+    return _build(
+        lambda s, o, d, dev, g: _blocked(torch.randn, base, s, o, d, dev, g),
+        size,
+        dtype,
+        requires_grad,
+        device_mesh,
+        placements,
+    )
 
 
 def _base_seed() -> int:

@@ -22,10 +22,12 @@ import itertools
 import math
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 import torch
 
 from . import collectives
+from .device_mesh import DeviceMesh
 from .placements import (
     Partial,
     Placement,
@@ -37,7 +39,10 @@ from .placements import (
     logical_shape_before,
     partition_divisor,
 )
-from .spec import DTensorSpec, TensorMeta
+from .spec import DTensorSpec
+
+if TYPE_CHECKING:
+    from .dtensor import DTensor  # dtensor.py imports this module
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,23 +130,29 @@ def redistribute_local(
     local: torch.Tensor, src: DTensorSpec, dst_placements: tuple[Placement, ...], *, is_backward: bool = False
 ) -> torch.Tensor:
     """Run the planned transitions on this rank's shard; returns the new local tensor."""
-    if src.placements == dst_placements or src.mesh.get_coordinate() is None:
+    if src.placements == dst_placements:
         return local
     mesh = src.mesh
     coordinate = mesh.get_coordinate()
+    if coordinate is None:  # off the mesh: no shard to move
+        return local
     for step in plan_transitions(src, dst_placements):
         local = run_transition(local, step, mesh, coordinate[step.mesh_dim], is_backward=is_backward)
     return local
 
 
-def run_transition(local: torch.Tensor, step: Transition, mesh, index: int, *, is_backward: bool) -> torch.Tensor:
+def run_transition(
+    local: torch.Tensor, step: Transition, mesh: DeviceMesh, index: int, *, is_backward: bool
+) -> torch.Tensor:
     src, dst, m = step.src, step.dst, step.mesh_dim
     n = mesh.size(m)
     if n == 1 and not (isinstance(src, Shard) and isinstance(dst, Shard)):
         return local  # a group of one: every transition is the identity
     if isinstance(dst, Replicate):
         if isinstance(src, Shard):
-            return collectives.all_gather(local, src.dim, mesh.get_group(m), chunk_sizes(step.logical_shape[src.dim], n))
+            return collectives.all_gather(
+                local, src.dim, mesh.get_group(m), chunk_sizes(step.logical_shape[src.dim], n)
+            )
         if isinstance(src, Partial):
             return collectives.all_reduce(local, src.reduce_op, mesh.get_group(m), n)
     elif isinstance(dst, Shard):
@@ -194,7 +205,7 @@ class Redistribute(torch.autograd.Function):
     """DTensor -> DTensor with new placements; backward moves the grad back to the old placements."""
 
     @staticmethod
-    def forward(ctx, input, dst_placements: tuple[Placement, ...], async_op: bool = False):  # type: ignore[override]
+    def forward(ctx, input: DTensor, dst_placements: tuple[Placement, ...], async_op: bool = False) -> DTensor:
         from .dtensor import DTensor
 
         src: DTensorSpec = input._spec
@@ -203,11 +214,11 @@ class Redistribute(torch.autograd.Function):
         return DTensor(local, src.with_placements(dst_placements), requires_grad=input.requires_grad)
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx, grad: DTensor) -> tuple[DTensor, None, None]:
         return redistribute_grad(grad, ctx.src_placements), None, None
 
 
-def redistribute_grad(grad, placements: tuple[Placement, ...]):
+def redistribute_grad(grad: DTensor, placements: tuple[Placement, ...]) -> DTensor:
     """Move a DTensor gradient to `placements` (normalized as in `backward_placements`)."""
     from .dtensor import DTensor
 
@@ -217,10 +228,3 @@ def redistribute_grad(grad, placements: tuple[Placement, ...]):
         return grad
     local = redistribute_local(grad._local_tensor, spec, target, is_backward=True)
     return DTensor(local, spec.with_placements(target))
-
-
-def spec_with_meta(spec: DTensorSpec, local: torch.Tensor) -> DTensorSpec:
-    """`spec` with its dtype following `local` (grads may arrive in another dtype)."""
-    if local.dtype == spec.dtype:
-        return spec
-    return DTensorSpec(spec.mesh, spec.placements, TensorMeta(spec.shape, spec.stride, local.dtype))

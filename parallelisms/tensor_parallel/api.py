@@ -35,12 +35,16 @@ def parallelize_module(
         parallelize_plan.src_data_rank = src_data_rank
         return parallelize_plan.apply(module, device_mesh)
     if not isinstance(parallelize_plan, dict):
-        raise TypeError(f"parallelize_plan must be a ParallelStyle or a dict of them, got {type(parallelize_plan).__name__}")
+        raise TypeError(
+            f"parallelize_plan must be a ParallelStyle or a dict of them, got {type(parallelize_plan).__name__}"
+        )
     for path, style in parallelize_plan.items():
         matches = _match(module, path)
         if not matches:
             children = [name for name, _ in module.named_modules() if name][:20]
-            raise ValueError(f"plan key {path!r} matches no submodule of {type(module).__name__}; submodules: {children}")
+            raise ValueError(
+                f"plan key {path!r} matches no submodule of {type(module).__name__}; submodules: {children}"
+            )
         for submodule in matches:
             parallelize_module(submodule, device_mesh, style, src_data_rank=src_data_rank)
     return module

@@ -17,6 +17,8 @@ def loss_parallel() -> Iterator[None]:
 
     enable = getattr(loss_ops, "vocab_parallel", None)
     if enable is None:
-        raise NotImplementedError("vocabulary-parallel cross entropy is not implemented yet (parallelisms/dtensor/ops/loss.py)")
+        raise NotImplementedError(
+            "vocabulary-parallel cross entropy is not implemented yet (parallelisms/dtensor/ops/loss.py)"
+        )
     with enable():
         yield

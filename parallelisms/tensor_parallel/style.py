@@ -81,7 +81,10 @@ class ColwiseParallel(ParallelStyle):
         )
 
     def __repr__(self) -> str:
-        return f"ColwiseParallel(input_layouts={self.input_layout}, output_layouts={self.output_layout}, use_local_output={self.use_local_output})"
+        return (
+            f"ColwiseParallel(input_layouts={self.input_layout}, output_layouts={self.output_layout}, "
+            f"use_local_output={self.use_local_output})"
+        )
 
 
 class RowwiseParallel(ParallelStyle):
@@ -119,7 +122,10 @@ class RowwiseParallel(ParallelStyle):
         )
 
     def __repr__(self) -> str:
-        return f"RowwiseParallel(input_layouts={self.input_layout}, output_layouts={self.output_layout}, use_local_output={self.use_local_output})"
+        return (
+            f"RowwiseParallel(input_layouts={self.input_layout}, output_layouts={self.output_layout}, "
+            f"use_local_output={self.use_local_output})"
+        )
 
 
 def _check_module(style: ParallelStyle, module: nn.Module) -> None:
@@ -151,7 +157,9 @@ class SequenceParallel(ParallelStyle):
         elif isinstance(x, torch.Tensor):  # already this rank's sequence shard
             x = DTensor.from_local(x, mesh, (self.sequence_layout,), run_check=False)
         else:
-            raise ValueError(f"SequenceParallel expects a tensor input for {type(module).__name__}, got {type(x).__name__}")
+            raise ValueError(
+                f"SequenceParallel expects a tensor input for {type(module).__name__}, got {type(x).__name__}"
+            )
         return (x, *rest)
 
     def apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
@@ -199,14 +207,18 @@ class PrepareModuleInput(ParallelStyle):
     def _prepare(self, module: nn.Module, args: tuple, kwargs: dict, mesh: DeviceMesh) -> tuple[tuple, dict]:
         if self.input_layouts is not None:
             if len(args) < len(self.input_layouts):
-                raise ValueError(f"module got {len(args)} inputs, the plan's input_layouts has {len(self.input_layouts)}")
-            args = tuple(
-                self._convert(x, mesh, layout, desired)
-                for x, layout, desired in zip(args, self.input_layouts, self.desired_input_layouts)  # type: ignore[arg-type]
-            ) + tuple(args[len(self.input_layouts):])
+                raise ValueError(
+                    f"module got {len(args)} inputs, the plan's input_layouts has {len(self.input_layouts)}"
+                )
+            # __init__ checked that desired_input_layouts has input_layouts' length
+            layouts = zip(self.input_layouts, self.desired_input_layouts)  # type: ignore[arg-type]
+            converted = tuple(self._convert(x, mesh, layout, desired) for x, (layout, desired) in zip(args, layouts))
+            args = converted + tuple(args[len(self.input_layouts) :])
         for key, layout in self.input_kwarg_layouts.items():
             if key in kwargs:
-                kwargs[key] = self._convert(kwargs[key], mesh, layout, self.desired_input_kwarg_layouts.get(key, layout))
+                kwargs[key] = self._convert(
+                    kwargs[key], mesh, layout, self.desired_input_kwarg_layouts.get(key, layout)
+                )
         return args, kwargs
 
     def _convert(self, x: Any, mesh: DeviceMesh, layout: Placement | None, desired: Placement | None) -> Any:
@@ -220,7 +232,10 @@ class PrepareModuleInput(ParallelStyle):
         return module
 
     def __repr__(self) -> str:
-        return f"PrepareModuleInput(input_layouts={self.input_layouts}, desired_input_layouts={self.desired_input_layouts})"
+        return (
+            f"PrepareModuleInput(input_layouts={self.input_layouts}, "
+            f"desired_input_layouts={self.desired_input_layouts})"
+        )
 
 
 class PrepareModuleOutput(ParallelStyle):
@@ -243,7 +258,9 @@ class PrepareModuleOutput(ParallelStyle):
         single = not isinstance(outputs, (tuple, list))
         items = (outputs,) if single else tuple(outputs)
         if len(items) != len(self.output_layouts):
-            raise ValueError(f"module returned {len(items)} outputs, the plan's output_layouts has {len(self.output_layouts)}")
+            raise ValueError(
+                f"module returned {len(items)} outputs, the plan's output_layouts has {len(self.output_layouts)}"
+            )
         converted = []
         for x, layout, desired in zip(items, self.output_layouts, self.desired_output_layouts):
             x = _to_dtensor(x, mesh, layout, desired)
@@ -255,7 +272,10 @@ class PrepareModuleOutput(ParallelStyle):
         return module
 
     def __repr__(self) -> str:
-        return f"PrepareModuleOutput(output_layouts={self.output_layouts}, desired_output_layouts={self.desired_output_layouts})"
+        return (
+            f"PrepareModuleOutput(output_layouts={self.output_layouts}, "
+            f"desired_output_layouts={self.desired_output_layouts})"
+        )
 
 
 class PrepareModuleInputOutput(ParallelStyle):
@@ -281,7 +301,9 @@ class PrepareModuleInputOutput(ParallelStyle):
             use_local_output=use_local_input,
         )
         self.prepare_output = PrepareModuleOutput(
-            output_layouts=output_layouts, desired_output_layouts=desired_output_layouts, use_local_output=use_local_output
+            output_layouts=output_layouts,
+            desired_output_layouts=desired_output_layouts,
+            use_local_output=use_local_output,
         )
 
     def apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:

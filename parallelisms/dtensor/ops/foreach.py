@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch._ops import OpOverload
 
-from ..placements import Partial, Placement, Replicate, Shard, chunk_sizes, norm_reduce_op
+from ..placements import Partial, Placement, Replicate, Shard, norm_reduce_op
 from ..spec import DTensorSpec
 from .pointwise import (
     WRITE_ONLY,
@@ -40,6 +40,7 @@ from .pointwise import (
     partial_rule_for,
     placements_str,
 )
+from .reductions import leaf_chunk_sizes
 from .registry import OpCall, Placements, Sharding, register
 
 aten = torch.ops.aten
@@ -62,19 +63,12 @@ def norm_partial(ord: float) -> str | None:
     return norm_reduce_op(ord) if ord > 0 else None  # negative p: empty pieces raise; reduce first
 
 
-def _leaf_sizes(size: int, splits: Sequence[int]) -> list[int]:
-    sizes = [size]
-    for n in splits:
-        sizes = [c for s in sizes for c in chunk_sizes(s, n)]
-    return sizes
-
-
 def has_empty_piece(spec: DTensorSpec, placements: Placements, dims: Sequence[int]) -> bool:
     """Whether some rank holds no element of the reduced `dims` under `placements`."""
     mesh_shape = spec.mesh.shape
     for d in dims:
         splits = [mesh_shape[m] for m, p in enumerate(placements) if isinstance(p, Shard) and p.dim == d]
-        if min(_leaf_sizes(spec.shape[d], splits)) == 0:
+        if min(leaf_chunk_sizes(spec.shape[d], splits)) == 0:
             return True
     return False
 

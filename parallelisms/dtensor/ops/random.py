@@ -57,9 +57,17 @@ def _no_partial(placements: Placements) -> Placements:
     return tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
 
 
-@register(aten.native_dropout.default, aten.bernoulli.default, aten.bernoulli.p, aten.bernoulli.Tensor,
-          aten.bernoulli_.Tensor, aten.poisson.default, aten.normal.Tensor_float, aten.normal.float_Tensor,
-          aten.normal.Tensor_Tensor)
+@register(
+    aten.native_dropout.default,
+    aten.bernoulli.default,
+    aten.bernoulli.p,
+    aten.bernoulli.Tensor,
+    aten.bernoulli_.Tensor,
+    aten.poisson.default,
+    aten.normal.Tensor_float,
+    aten.normal.float_Tensor,
+    aten.normal.Tensor_Tensor,
+)
 def random_from_input(call: OpCall) -> Sharding:
     """The first tensor input keeps its placements, Partial -> Replicate; every output takes them.
 
@@ -80,9 +88,18 @@ def random_from_input(call: OpCall) -> Sharding:
     return Sharding(tuple(inputs), (placements,) * n_outputs)
 
 
-@register(aten.bernoulli_.float, aten.uniform_.default, aten.normal_.default, aten.exponential_.default,
-          aten.log_normal_.default, aten.geometric_.default, aten.cauchy_.default, aten.random_.default,
-          aten.random_.to, getattr(aten.random_, "from"))
+@register(
+    aten.bernoulli_.float,
+    aten.uniform_.default,
+    aten.normal_.default,
+    aten.exponential_.default,
+    aten.log_normal_.default,
+    aten.geometric_.default,
+    aten.cauchy_.default,
+    aten.random_.default,
+    aten.random_.to,
+    getattr(aten.random_, "from"),
+)
 def random_fill_(call: OpCall) -> Sharding:
     """In-place fills: self keeps its placements (values are not read); Partial is refused."""
     (spec,) = call.specs
@@ -90,9 +107,18 @@ def random_fill_(call: OpCall) -> Sharding:
     return Sharding((None,), (spec.placements,))
 
 
-@register(aten.rand_like.default, aten.rand_like.generator, aten.randn_like.default, aten.randn_like.generator,
-          aten.randint_like.default, aten.randint_like.Tensor, aten.randint_like.low_dtype,
-          aten.randint_like.generator, aten.randint_like.Tensor_generator, aten.randint_like.low_generator_dtype)
+@register(
+    aten.rand_like.default,
+    aten.rand_like.generator,
+    aten.randn_like.default,
+    aten.randn_like.generator,
+    aten.randint_like.default,
+    aten.randint_like.Tensor,
+    aten.randint_like.low_dtype,
+    aten.randint_like.generator,
+    aten.randint_like.Tensor_generator,
+    aten.randint_like.low_generator_dtype,
+)
 def random_like(call: OpCall) -> Sharding:
     """A fresh sample in the input's layout; the input is not read (a tensor `high` replicates)."""
     first, *others = call.specs
@@ -184,7 +210,7 @@ def _take_generator(op: OpOverload, args: list, kwargs: dict) -> tuple[list, dic
         if a.name != "generator":
             continue
         if i < len(args) and not a.kwarg_only:
-            generator, args = args[i], [*args[:i], None, *args[i + 1:]]
+            generator, args = args[i], [*args[:i], None, *args[i + 1 :]]
         elif kwargs.get("generator") is not None:
             generator, kwargs = kwargs["generator"], {**kwargs, "generator": None}
         else:
