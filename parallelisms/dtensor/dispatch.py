@@ -49,6 +49,7 @@ class Plan:
 
 PLANS: dict[tuple, Plan] = {}
 _fallback_enabled = False
+_plain_as_replicate: frozenset[OpOverload] = frozenset()  # see plain_tensors_as_replicate
 _fallback_warned: set[OpOverload] = set()
 
 
@@ -108,6 +109,11 @@ def _unwrap_one(op: OpOverload, a: Any, dtensors: list[DTensor]) -> tuple[Any, A
     if isinstance(a, torch.Tensor):
         if a.ndim == 0:  # a plain 0-d tensor acts as a replicated scalar
             return ("scalar_tensor", a.dtype, a.device.type), a
+        if op in _plain_as_replicate and dtensors:  # e.g. loss targets under loss_parallel()
+            mesh = dtensors[0]._spec.mesh
+            wrapped = DTensor.from_local(a, mesh, [Replicate()] * mesh.ndim)
+            dtensors.append(wrapped)
+            return wrapped._spec, a
         # ValueError, not TypeError: Tensor.__add__ & co. turn a TypeError into NotImplemented,
         # which would replace this message with Python's generic one
         raise ValueError(
@@ -167,11 +173,13 @@ def _redistribute_inputs(op: OpOverload, args: tuple, kwargs: dict, dtensors: li
             continue
         if DEBUG:
             _log_redistribute(op, i, dt._spec, target)
-        new_locals[id(dt)] = redistribute_local(dt._local_tensor, dt._spec, target)
+        new_locals[id(dt)] = new_locals[id(dt._local_tensor)] = redistribute_local(dt._local_tensor, dt._spec, target)
 
     def local_of(a: Any) -> Any:
         if isinstance(a, DTensor):
             return new_locals.get(id(a), a._local_tensor)
+        if isinstance(a, torch.Tensor):  # a plain tensor taken as Replicate (plain_tensors_as_replicate)
+            return new_locals.get(id(a), a)
         if isinstance(a, (list, tuple)) and any(isinstance(x, DTensor) for x in a):
             return [local_of(x) for x in a]
         return a
@@ -392,6 +400,18 @@ def _fallback_plan(op: OpOverload, call: OpCall) -> Plan:
         raise NotImplementedError(f"replicate_fallback cannot run in-place op {op}; it needs a sharding rule")
     n_out = len(_output_metas(call, [s.with_placements(r) for s in call.specs]))
     return _finish_plan(call, Sharding(tuple(r for _ in call.specs), tuple(r for _ in range(n_out))))
+
+
+@contextmanager
+def plain_tensors_as_replicate(ops: frozenset[OpOverload]) -> Iterator[None]:
+    """Within the context, plain tensor args of `ops` count as Replicate DTensors on the mesh of
+    the op's first DTensor arg, instead of raising (torch's loss_parallel takes plain targets so)."""
+    global _plain_as_replicate
+    previous, _plain_as_replicate = _plain_as_replicate, _plain_as_replicate | ops
+    try:
+        yield
+    finally:
+        _plain_as_replicate = previous
 
 
 @contextmanager
