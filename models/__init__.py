@@ -1,0 +1,1 @@
+"""Model definitions: single-device model code plus a `parallelize` module per family."""

@@ -1,0 +1,64 @@
+"""Llama 3 model arguments and the named flavors (shapes as torchtitan's llama3 flavors)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(kw_only=True)
+class TransformerModelArgs:
+    """Shape and numerics of a Llama 3 transformer."""
+
+    dim: int = 4096
+    """Model (residual stream) width."""
+    n_layers: int = 32
+    """Number of transformer blocks."""
+    n_heads: int = 32
+    """Query heads; head_dim = dim // n_heads."""
+    n_kv_heads: int | None = None
+    """Key/value heads for grouped-query attention; None means n_heads (plain multi-head)."""
+    vocab_size: int = 128256
+    """Vocabulary size (the Llama 3 tokenizer's by default; the trainer sets it from its tokenizer)."""
+    multiple_of: int = 256
+    """The SwiGLU hidden width is rounded up to a multiple of this."""
+    ffn_dim_multiplier: float | None = None
+    """Scales the SwiGLU hidden width (8/3 * dim) before rounding."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency."""
+    max_seq_len: int = 2048
+    """Longest sequence the precomputed rotary table covers (the trainer sets it to training.seq_len)."""
+    depth_init: bool = True
+    """Scale each block's output-projection init std by its depth (True) or by n_layers (False)."""
+
+    def __post_init__(self) -> None:
+        n_kv_heads = self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+        if self.dim % self.n_heads:
+            raise ValueError(f"dim({self.dim}) must be divisible by n_heads({self.n_heads})")
+        if self.n_heads % n_kv_heads:
+            raise ValueError(f"n_heads({self.n_heads}) must be divisible by n_kv_heads({n_kv_heads})")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+llama3_configs: dict[str, TransformerModelArgs] = {
+    "debugmodel": TransformerModelArgs(dim=256, n_layers=6, n_heads=16, vocab_size=2048, rope_theta=500000),
+    "8B": TransformerModelArgs(
+        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=1024, rope_theta=500000
+    ),
+    "70B": TransformerModelArgs(
+        dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=4096, rope_theta=500000
+    ),
+    "405B": TransformerModelArgs(
+        dim=16384,
+        n_layers=126,
+        n_heads=128,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.2,
+        multiple_of=4096,
+        rope_theta=500000,
+    ),
+}

@@ -1,0 +1,151 @@
+"""Llama 3 on one device: RMSNorm, RoPE, grouped-query attention, SwiGLU (imports only torch).
+
+Parallelism is applied from outside (parallelize.py). To let tensor-parallel sharding of the
+projections work unchanged, attention never uses the configured head counts to reshape: it infers
+the local head count from the projection outputs (`view(B, T, -1, head_dim)`), so a rank holding
+n_heads / tp query heads and n_kv_heads / tp key/value heads runs the same code.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .args import TransformerModelArgs
+
+
+def precompute_freqs_cis(head_dim: int, end: int, theta: float = 10000.0) -> torch.Tensor:
+    """RoPE rotations e^{i m theta_j} for positions m < end (Su et al. 2021): (end, head_dim/2) complex64."""
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2)[: head_dim // 2].float() / head_dim))
+    angles = torch.outer(torch.arange(end, device=freqs.device).float(), freqs)  # (end, Dh/2)
+    return torch.polar(torch.ones_like(angles), angles)
+
+
+def apply_rotary_emb(
+    xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate consecutive pairs of xq / xk channels, (B, T, H, Dh), by position (complex multiply)."""
+    seqlen = xq.shape[1]
+    freqs = freqs_cis[:seqlen].view(1, seqlen, 1, -1)  # (1, T, 1, Dh/2)
+    xq_c = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))  # (B, T, H, Dh/2)
+    xk_c = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))  # (B, T, Hkv, Dh/2)
+    xq_out = torch.view_as_real(xq_c * freqs).flatten(3)  # (B, T, H, Dh)
+    xk_out = torch.view_as_real(xk_c * freqs).flatten(3)  # (B, T, Hkv, Dh)
+    return xq_out.type_as(xq), xk_out.type_as(xk)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query self-attention with rotary embeddings."""
+
+    def __init__(self, args: TransformerModelArgs) -> None:
+        super().__init__()
+        n_kv_heads = args.n_heads if args.n_kv_heads is None else args.n_kv_heads
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+
+    def init_weights(self, init_std: float) -> None:
+        for linear in (self.wq, self.wk, self.wv):
+            nn.init.trunc_normal_(linear.weight, mean=0.0, std=0.02)
+        nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        bs, seqlen, _ = x.shape
+        # -1: the local head count, n_heads / tp under tensor parallelism
+        xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)  # (B, T, H, Dh)
+        xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)  # (B, T, Hkv, Dh)
+        xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)  # (B, T, Hkv, Dh)
+        xq, xk = apply_rotary_emb(xq, xk, freqs_cis)
+        xq, xk, xv = (t.transpose(1, 2) for t in (xq, xk, xv))  # (B, H|Hkv, T, Dh)
+        out = F.scaled_dot_product_attention(xq, xk, xv, is_causal=True, enable_gqa=True)  # (B, H, T, Dh)
+        out = out.transpose(1, 2).contiguous().view(bs, seqlen, -1)  # (B, T, H*Dh)
+        return self.wo(out)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP (Shazeer 2020): w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden_dim: int, multiple_of: int, ffn_dim_multiplier: float | None) -> None:
+        super().__init__()
+        hidden_dim = int(2 * hidden_dim / 3)  # keeps the parameter count of a 4*dim GELU MLP
+        if ffn_dim_multiplier is not None:
+            hidden_dim = int(ffn_dim_multiplier * hidden_dim)
+        hidden_dim = multiple_of * ((hidden_dim + multiple_of - 1) // multiple_of)
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def init_weights(self, init_std: float) -> None:
+        nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=0.02)
+        for linear in (self.w2, self.w3):
+            nn.init.trunc_normal_(linear.weight, mean=0.0, std=init_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: x + attention(norm(x)), then h + feed_forward(norm(h))."""
+
+    def __init__(self, layer_id: int, args: TransformerModelArgs) -> None:
+        super().__init__()
+        self.attention = Attention(args)
+        self.feed_forward = FeedForward(args.dim, 4 * args.dim, args.multiple_of, args.ffn_dim_multiplier)
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        # residual-branch outputs scaled down with depth (GPT-2 / torchtitan's depth_init)
+        layers = layer_id + 1 if args.depth_init else args.n_layers
+        self.weight_init_std = 0.02 / (2 * layers) ** 0.5
+
+    def init_weights(self) -> None:
+        for norm in (self.attention_norm, self.ffn_norm):
+            norm.reset_parameters()
+        self.attention.init_weights(self.weight_init_std)
+        self.feed_forward.init_weights(self.weight_init_std)
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), freqs_cis)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """Llama 3 decoder: tokens (B, T) -> logits (B, T, vocab_size)."""
+
+    freqs_cis: torch.Tensor
+
+    def __init__(self, args: TransformerModelArgs) -> None:
+        super().__init__()
+        self.model_args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # a ModuleDict keyed "0".."n-1" keeps FQNs stable when blocks are removed (pipeline stages)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        # derived from args, so not saved in checkpoints
+        self.register_buffer("freqs_cis", self._precompute_freqs_cis(), persistent=False)
+        self.init_weights()
+
+    def _precompute_freqs_cis(self) -> torch.Tensor:
+        args = self.model_args
+        return precompute_freqs_cis(args.head_dim, args.max_seq_len, args.rope_theta)
+
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        """(Re)initialize every parameter and buffer, e.g. after building the model on meta."""
+        with torch.device(buffer_device or self.freqs_cis.device):
+            self.freqs_cis = self._precompute_freqs_cis()
+        nn.init.normal_(self.tok_embeddings.weight)
+        for layer in self.layers.values():
+            layer.init_weights()  # type: ignore[operator]
+        self.norm.reset_parameters()
+        std = self.model_args.dim**-0.5
+        cutoff = 3.0
+        nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-cutoff * std, b=cutoff * std)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)  # (B, T, D)   S(1) under sequence parallelism
+        for layer in self.layers.values():
+            h = layer(h, self.freqs_cis)
+        return self.output(self.norm(h))  # (B, T, V)   S(-1) under loss parallelism

@@ -1,0 +1,122 @@
+"""How a Llama 3 model is parallelized: the TP/SP plan, activation checkpointing, FSDP.
+
+Order (DESIGN.md section 4): tensor/sequence parallel plan -> activation checkpointing -> fully_shard
+per block, then the embeddings, then the final norm and output, then the root.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from parallelisms.activation_checkpoint import ACMode, apply_ac
+from parallelisms.dtensor import DeviceMesh, Replicate, Shard
+from parallelisms.fsdp import MixedPrecisionPolicy, fully_shard
+from parallelisms.parallel_dims import ParallelDims
+from parallelisms.tensor_parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+
+def parallelize_llama(
+    model: nn.Module,
+    parallel_dims: ParallelDims,
+    world_mesh: DeviceMesh,
+    *,
+    loss_parallel: bool,
+    ac_mode: ACMode = "none",
+    mp_policy: MixedPrecisionPolicy | None = None,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
+    """Apply TP -> AC -> FSDP to `model` in place, as `parallel_dims` asks; returns `model`."""
+    _check_supported(parallel_dims)
+    if parallel_dims.tp_enabled:
+        apply_tp(model, world_mesh["tp"], loss_parallel=loss_parallel)
+    apply_ac(model, ac_mode)
+    if parallel_dims.fsdp_enabled:
+        apply_fsdp(model, world_mesh["dp_shard_cp"], mp_policy or MixedPrecisionPolicy(), reshard_after_forward)
+    return model
+
+
+def _check_supported(parallel_dims: ParallelDims) -> None:
+    if parallel_dims.tp_enabled and parallel_dims.fsdp_enabled:
+        raise NotImplementedError(
+            f"FSDP + TP (dp_shard_degree({parallel_dims.dp_shard}) * tp_degree({parallel_dims.tp})) is not "
+            f"supported yet: fully_shard takes 1-D meshes and plain (not already TP-sharded) parameters; set "
+            f"parallelism.data_parallel_shard_degree=1 or parallelism.tensor_parallel_degree=1"
+        )
+    unsupported = {
+        "dp_replicate": ("data_parallel_replicate_degree", parallel_dims.dp_replicate),
+        "cp": ("context_parallel_degree", parallel_dims.cp),
+        "pp": ("pipeline_parallel_degree", parallel_dims.pp),
+    }
+    for name, (key, degree) in unsupported.items():
+        if degree > 1:
+            raise NotImplementedError(
+                f"{name}_degree({degree}) > 1 is not supported by parallelize_llama yet; set parallelism.{key}=1"
+            )
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, enable_async_tp: bool = False) -> None:
+    """Megatron-style tensor parallelism with sequence parallelism (Korthikanti et al. 2022).
+
+    Activations between blocks are sharded on the sequence dim (S(1)); attention and the MLP
+    all-gather them (S(1) -> R), run column-wise then row-wise linears, and reduce-scatter back to S(1).
+    With `loss_parallel` the logits stay sharded on the vocabulary dim for `loss_parallel()`.
+    """
+    if enable_async_tp:
+        raise NotImplementedError("async TP (overlapping matmuls with collectives) is not supported; set it False")
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "output": ColwiseParallel(
+                input_layouts=Shard(1),
+                output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                use_local_output=not loss_parallel,
+            ),
+        },
+    )
+    layer_plan = {
+        "attention_norm": SequenceParallel(),
+        # (x, freqs_cis): freqs_cis is a plain replicated tensor and passes through untouched
+        "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        "feed_forward.w3": ColwiseParallel(),
+    }
+    for block in model.layers.values():  # type: ignore[operator]
+        parallelize_module(block, tp_mesh, layer_plan)
+
+
+def apply_fsdp(
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    mp_policy: MixedPrecisionPolicy,
+    reshard_after_forward: bool,
+) -> None:
+    """fully_shard each block, the embeddings, the final norm and output, then the root.
+
+    torchtitan shards [norm, output] as one group; our fully_shard takes one module, so they get a
+    group each. Neither they nor the last block reshard after forward: backward needs them at once.
+    """
+    blocks = list(model.layers.values())  # type: ignore[operator]
+    for i, block in enumerate(blocks):
+        last = i == len(blocks) - 1
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward and not last)
+    embeddings = model.get_submodule("tok_embeddings")
+    fully_shard(embeddings, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+    for name in ("norm", "output"):
+        fully_shard(model.get_submodule(name), mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=False)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy)

@@ -1,0 +1,83 @@
+"""Activation checkpointing of transformer blocks (torch.utils.checkpoint, non-reentrant).
+
+Modes:
+    "none"       keep every activation.
+    "full"       keep only each block's input; recompute the whole block in backward.
+    "selective"  op-level selective checkpointing: keep the outputs of matmuls and attention (the
+                 expensive ops), recompute the cheap pointwise / norm ops in backward.
+
+Blocks are checkpointed by replacing their `forward` on the instance, not by wrapping them in a
+new module, so parameter names (and so checkpoints and plans keyed by them) do not change.
+Apply it after tensor parallelism and before fully_shard: fully_shard's hooks then sit outside the
+checkpointed region, and the recomputation runs while the block's parameters are unsharded.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+    noop_context_fn,
+)
+
+ACMode = Literal["none", "full", "selective"]
+AC_MODES = ("none", "full", "selective")
+
+aten = torch.ops.aten
+# ops whose outputs selective checkpointing keeps (their recomputation would cost the most)
+_SAVE_OPS = frozenset(
+    getattr(aten, name).default
+    for name in (
+        "mm",
+        "addmm",
+        "bmm",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+    )
+    if hasattr(aten, name)
+)
+
+
+def apply_ac(model: nn.Module, mode: ACMode) -> nn.Module:
+    """Checkpoint every block of `model.layers` (an nn.ModuleDict or nn.ModuleList) in place."""
+    if mode not in AC_MODES:
+        raise ValueError(
+            f"activation checkpoint mode {mode!r} is not one of {AC_MODES}; fix activation_checkpoint.mode"
+        )
+    if mode == "none":
+        return model
+    blocks = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
+    for block in blocks:  # type: ignore[union-attr]
+        checkpoint_module(block, selective=mode == "selective")
+    return model
+
+
+def checkpoint_module(module: nn.Module, *, selective: bool = False) -> nn.Module:
+    """Make `module`'s forward recompute in backward instead of saving its activations."""
+    if module.__dict__.get("_ac_checkpointed", False):
+        raise ValueError(f"{type(module).__name__} is already activation-checkpointed; apply apply_ac once")
+    forward = module.forward
+    context_fn: Callable[[], Any] = (
+        functools.partial(create_selective_checkpoint_contexts, _save_matmuls) if selective else noop_context_fn
+    )
+
+    def checkpointed_forward(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+    module.forward = checkpointed_forward
+    module.__dict__["_ac_checkpointed"] = True
+    return module
+
+
+def _save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
