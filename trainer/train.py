@@ -1,30 +1,271 @@
 """Training entry point: `python -m trainer.train --job.config_file FILE [--section.key value ...]`.
 
-The trainer issue has not landed yet: this entry point is final, the training loop is not.
+Owns the job's lifecycle: config, logging, the process group and mesh, the model and its
+parallelization, and the loop (forward, cross-entropy, backward, clip, step). Only this module sees
+the whole JobConfig; every `build_*` gets its own section or explicit arguments.
 """
 
 from __future__ import annotations
 
-import argparse
+import contextlib
+import dataclasses
 import logging
 import os
 import sys
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
+
+from models.llama3 import Transformer, llama3_configs
+from models.llama3.parallelize import parallelize_llama
+from parallelisms.dtensor import DeviceMesh, DTensor, Partial
+from parallelisms.fsdp import MixedPrecisionPolicy
+from parallelisms.parallel_dims import ParallelDims
+from parallelisms.tensor_parallel import loss_parallel
+
+from .config import Comm, JobConfig, Parallelism, load_config, save_config, to_toml
+from .data import build_data_loader
+from .lr_schedule import build_lr_scheduler
+from .metrics import MetricsLogger, flops_per_token
+from .optim import build_optimizer
+from .tokenizer import ByteTokenizer
 
 logger = logging.getLogger(__name__)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--job.config_file", dest="config_file", default="./configs/debug_model.toml")
-    args, overrides = parser.parse_known_args(argv)
+# ------------------------------------------------------------------------------------- setup
+def setup_logging(rank: int) -> None:
+    """`[rank0] time LEVEL module: msg`; ranks not in LOG_RANK (default "0") only log warnings."""
+    log_ranks = {int(r) for r in os.environ.get("LOG_RANK", "0").split(",") if r.strip()}
     logging.basicConfig(
-        level=logging.INFO,
-        format=f"[rank{os.environ.get('RANK', '0')}] %(asctime)s %(levelname)s %(name)s: %(message)s",
+        level=logging.INFO if rank in log_ranks else logging.WARNING,
+        format=f"[rank{rank}] %(asctime)s %(levelname)s %(name)s: %(message)s",
+        force=True,
     )
-    logger.info("config %s, overrides %s", args.config_file, overrides)
+
+
+def build_device() -> torch.device:
+    """cuda:LOCAL_RANK when CUDA is available, else the CPU (gloo)."""
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
+
+
+def init_distributed(device: torch.device, comm: Comm) -> bool:
+    """Join torchrun's world, or a 1-rank world when run without torchrun. Reuses an existing default
+    process group (e.g. a test world). Returns whether this call created it (and so must destroy it)."""
+    if dist.is_initialized():
+        return False
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=comm.init_timeout_seconds)
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    return True
+
+
+def build_parallel_dims(cfg: Parallelism, world_size: int) -> ParallelDims:
+    return ParallelDims(
+        dp_replicate=cfg.data_parallel_replicate_degree,
+        dp_shard=cfg.data_parallel_shard_degree,
+        cp=cfg.context_parallel_degree,
+        tp=cfg.tensor_parallel_degree,
+        pp=cfg.pipeline_parallel_degree,
+        world_size=world_size,
+    )
+
+
+def check_unsupported(cfg: JobConfig, parallel_dims: ParallelDims) -> None:
+    """Fail early, with the fix, on options that are configured but not built yet."""
+    if cfg.checkpoint.enable:
+        raise NotImplementedError("checkpointing is not implemented yet (a later issue); set checkpoint.enable=false")
+    if cfg.compile.enable:
+        raise NotImplementedError("torch.compile is not wired into the trainer yet; set compile.enable=false")
+    if cfg.training.seq_len % parallel_dims.seq_len_divisor:
+        raise ValueError(
+            f"training.seq_len({cfg.training.seq_len}) must be divisible by {parallel_dims.seq_len_divisor} "
+            f"(sequence parallelism shards it over tp_degree({parallel_dims.tp})); pick a multiple"
+        )
+
+
+def build_model(cfg: JobConfig, vocab_size: int, device: torch.device) -> Transformer:
+    """The flavor's Transformer on `device`, its vocabulary the tokenizer's and max_seq_len seq_len."""
+    if cfg.model.name != "llama3":
+        raise ValueError(f"model.name={cfg.model.name!r}: only 'llama3' is available")
+    if cfg.model.flavor not in llama3_configs:
+        raise ValueError(f"model.flavor={cfg.model.flavor!r}: expected one of {sorted(llama3_configs)}")
+    args = dataclasses.replace(
+        llama3_configs[cfg.model.flavor], vocab_size=vocab_size, max_seq_len=cfg.training.seq_len
+    )
+    with torch.device(device):
+        model = Transformer(args)
+    model.init_weights(buffer_device=device)
+    return model
+
+
+def dp_coordinates(parallel_dims: ParallelDims, world_mesh: DeviceMesh) -> tuple[int, int]:
+    """(rank, size) on the data-loading "dp" dim; (0, 1) when there is no data parallelism."""
+    dp_size = parallel_dims.dp_replicate * parallel_dims.dp_shard
+    if dp_size == 1:
+        return 0, 1
+    return world_mesh["dp"].get_local_rank(), dp_size
+
+
+# -------------------------------------------------------------------------------------- step
+def reduce_loss(loss: torch.Tensor, parallel_dims: ParallelDims, world_mesh: DeviceMesh) -> float:
+    """The loss averaged over the data-parallel ranks (each saw a different batch), as a float."""
+    loss = loss.detach()
+    if isinstance(loss, DTensor):  # under loss_parallel: a DTensor over tp
+        loss = loss.full_tensor()
+    if parallel_dims.dp_cp_enabled:
+        loss = DTensor.from_local(loss, world_mesh["dp_cp"], [Partial("avg")]).full_tensor()
+    return loss.item()
+
+
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    *,
+    max_norm: float,
+    use_loss_parallel: bool,
+) -> tuple[torch.Tensor, float]:
+    """One optimizer step on `batch`; returns (the local loss, the global gradient norm)."""
+    inputs, labels = batch
+    optimizer.zero_grad(set_to_none=True)
+    ctx = loss_parallel() if use_loss_parallel else contextlib.nullcontext()
+    with ctx:  # the backward too runs inside loss_parallel, as torch requires
+        logits = model(inputs)  # (B, T, V)   S(-1) under loss parallelism
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))  # (B*T, V) vs (B*T,)
+        loss.backward()
+    params = [p for p in model.parameters() if p.grad is not None]
+    clip = max_norm if max_norm > 0 else float("inf")
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
+    if isinstance(grad_norm, DTensor):
+        grad_norm = grad_norm.full_tensor()
+    optimizer.step()
+    return loss, grad_norm.item()
+
+
+def use_loss_parallel(cfg: JobConfig, parallel_dims: ParallelDims) -> bool:
+    """Logits stay sharded on the vocabulary for the loss: only with TP, and when enabled."""
+    return parallel_dims.tp_enabled and cfg.parallelism.enable_loss_parallel
+
+
+def build_components(
+    cfg: JobConfig, world_mesh: DeviceMesh, parallel_dims: ParallelDims, device: torch.device
+) -> tuple[nn.Module, torch.optim.Optimizer, LambdaLR, Iterator[tuple[torch.Tensor, torch.Tensor]], float]:
+    """The parallelized model, optimizer, lr scheduler, batch iterator and training FLOPs per token."""
+    training = cfg.training
+    torch.manual_seed(training.seed)  # identical on every rank: every rank builds the same full model
+    tokenizer = ByteTokenizer()
+    model = build_model(cfg, tokenizer.vocab_size, device)
+    fpt = flops_per_token(
+        model, n_layers=model.model_args.n_layers, n_heads=model.model_args.n_heads,
+        head_dim=model.model_args.head_dim, seq_len=training.seq_len,
+    )  # fmt: skip
+    mp_policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" else None
+    )
+    parallelize_llama(
+        model,
+        parallel_dims,
+        world_mesh,
+        loss_parallel=use_loss_parallel(cfg, parallel_dims),
+        ac_mode=cfg.activation_checkpoint.mode,
+        mp_policy=mp_policy,
+    )
+    optimizer = build_optimizer(
+        model,
+        name=cfg.optimizer.name,
+        lr=cfg.optimizer.lr,
+        eps=cfg.optimizer.eps,
+        weight_decay=cfg.optimizer.weight_decay,
+    )
+    lr_sched = cfg.lr_scheduler
+    scheduler = build_lr_scheduler(
+        optimizer, warmup_steps=lr_sched.warmup_steps, total_steps=training.steps,
+        decay_type=lr_sched.decay_type, min_lr_factor=lr_sched.min_lr_factor,
+    )  # fmt: skip
+    dp_rank, dp_size = dp_coordinates(parallel_dims, world_mesh)
+    batches = iter(build_data_loader(
+        training.dataset, tokenizer, local_batch_size=training.local_batch_size, seq_len=training.seq_len,
+        dp_rank=dp_rank, dp_size=dp_size, seed=training.seed,
+    ))  # fmt: skip
+    return model, optimizer, scheduler, batches, fpt
+
+
+def train(cfg: JobConfig, world_mesh: DeviceMesh, parallel_dims: ParallelDims, device: torch.device) -> list[float]:
+    """Build everything from `cfg` and train `cfg.training.steps` steps; returns the logged losses."""
+    training = cfg.training
+    model, optimizer, scheduler, batches, fpt = build_components(cfg, world_mesh, parallel_dims, device)
+    dp_size = parallel_dims.dp_replicate * parallel_dims.dp_shard
+    loss_parallel_on = use_loss_parallel(cfg, parallel_dims)
+    is_rank0 = dist.get_rank() == 0
+    tb_folder = Path(cfg.job.dump_folder) / "tb" if cfg.metrics.enable_tensorboard and is_rank0 else None
+    metrics = MetricsLogger(flops_per_token=fpt, device=device, tb_folder=tb_folder)
     logger.info(
-        "trainer not built yet: the DTensor core is in place (parallelisms.dtensor); the training loop is a later issue"
-    )
+        "training %s/%s (%.2fM params) for %d steps on %s: %s, global batch %d x %d tokens",
+        cfg.model.name, cfg.model.flavor, sum(p.numel() for p in model.parameters()) / 1e6, training.steps,
+        device, world_mesh, training.local_batch_size * dp_size, training.seq_len,
+    )  # fmt: skip
+    losses: list[float] = []
+    tokens_since, t0 = 0, time.perf_counter()
+    for step in range(1, training.steps + 1):
+        inputs, labels = (t.to(device) for t in next(batches))
+        lr = scheduler.get_last_lr()[0]
+        loss, grad_norm = train_step(
+            model, optimizer, (inputs, labels), max_norm=training.max_norm, use_loss_parallel=loss_parallel_on
+        )
+        scheduler.step()
+        tokens_since += inputs.numel()
+        if step % cfg.metrics.log_freq == 0 or step == training.steps:
+            global_loss = reduce_loss(loss, parallel_dims, world_mesh)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            metrics.log(
+                step,
+                loss=global_loss,
+                grad_norm=grad_norm,
+                lr=lr,
+                tokens=tokens_since,
+                seconds=time.perf_counter() - t0,
+            )
+            losses.append(global_loss)
+            tokens_since, t0 = 0, time.perf_counter()
+    metrics.close()
+    logger.info("training done: loss %.4f -> %.4f", losses[0], losses[-1])
+    return losses
+
+
+# -------------------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> int:
+    cfg = load_config(sys.argv[1:] if argv is None else argv)
+    device = build_device()
+    owns_group = init_distributed(device, cfg.comm)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    setup_logging(rank)
+    try:
+        logger.info("%s; resolved config:\n%s", cfg.job.description, to_toml(cfg))
+        if rank == 0:
+            logger.info("config saved to %s", save_config(cfg, cfg.job.dump_folder))
+        parallel_dims = build_parallel_dims(cfg.parallelism, world_size)
+        check_unsupported(cfg, parallel_dims)
+        world_mesh = parallel_dims.build_mesh(device.type)
+        train(cfg, world_mesh, parallel_dims, device)
+    finally:
+        if owns_group:
+            dist.destroy_process_group()
     return 0
 
 

@@ -1,0 +1,62 @@
+"""Integration: trainer.train.main() for 3 steps in a 2-rank gloo world, with FSDP and with TP."""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+import pytest
+
+from tests.world import run_world
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _train_rank(argv: list[str]) -> list[str]:
+    from trainer.train import main
+
+    handler = _Lines()
+    metrics_logger = logging.getLogger("trainer.metrics")
+    metrics_logger.addHandler(handler)
+    try:
+        assert main(argv) == 0
+    finally:
+        metrics_logger.removeHandler(handler)
+    return handler.lines
+
+
+def _losses(lines: list[str]) -> list[float]:
+    return [float(line.split(" | ")[1].split()[1]) for line in lines if line.startswith("step ")]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],  # FSDP over 2 ranks (dp_shard = -1 -> 2)
+        ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"],
+    ],
+    ids=["fsdp2", "tp2"],
+)
+def test_main_trains_in_2_rank_world(tmp_path: Path, overrides: list[str]) -> None:
+    argv = [
+        "--job.config_file", str(REPO / "configs" / "debug_model.toml"),
+        "--job.dump_folder", str(tmp_path),
+        "--training.steps", "3", "--training.seq_len", "64", "--lr_scheduler.warmup_steps", "0",
+        *overrides,
+    ]  # fmt: skip
+    per_rank = run_world(_train_rank, 2, argv)
+    losses = _losses(per_rank[0])
+    assert len(losses) == 3, per_rank[0]
+    assert all(math.isfinite(x) for x in losses)
+    assert losses[-1] < losses[0]
+    assert (tmp_path / "config.toml").is_file()

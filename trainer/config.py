@@ -1,0 +1,278 @@
+"""JobConfig: the job's whole configuration, from dataclass defaults < TOML file < `--section.key value`.
+
+Sections and keys follow torchtitan v0.2 so its TOML files port. Only `trainer/train.py` sees the
+whole `JobConfig`; every component gets its own section or explicit arguments.
+Unknown sections or keys fail with a did-you-mean; values are parsed from the fields' types.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+
+@dataclass(kw_only=True)
+class Job:
+    config_file: str | None = None
+    """TOML file the job was configured from (None: dataclass defaults and CLI only)."""
+    dump_folder: str = "./outputs"
+    """Folder for everything the job writes: the resolved config, tensorboard logs, checkpoints."""
+    description: str = "meshtrain job"
+    """Free-text description, logged at start."""
+
+
+@dataclass(kw_only=True)
+class Model:
+    name: str = "llama3"
+    """Model family; only "llama3" exists."""
+    flavor: str = "debugmodel"
+    """Key into the family's flavors (models.llama3.llama3_configs)."""
+
+
+@dataclass(kw_only=True)
+class Optimizer:
+    name: str = "AdamW"
+    """Optimizer; only "AdamW" (foreach) exists."""
+    lr: float = 8e-4
+    """Peak learning rate, reached at the end of warmup."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay (AdamW)."""
+
+
+@dataclass(kw_only=True)
+class LRScheduler:
+    warmup_steps: int = 2
+    """Steps of linear warmup from ~0 to optimizer.lr."""
+    decay_type: Literal["linear", "cosine"] = "linear"
+    """Shape of the decay from optimizer.lr to min_lr_factor * lr after warmup."""
+    min_lr_factor: float = 0.0
+    """Final learning rate as a fraction of optimizer.lr."""
+
+
+@dataclass(kw_only=True)
+class Training:
+    local_batch_size: int = 8
+    """Sequences per data-parallel rank per step."""
+    seq_len: int = 2048
+    """Tokens per sequence (also the model's max_seq_len)."""
+    steps: int = 10000
+    """Optimizer steps to train."""
+    max_norm: float = 1.0
+    """Clip the global gradient 2-norm to this (<= 0 disables clipping, still logs the norm)."""
+    seed: int = 0
+    """Seed for weights and data order; identical on every rank."""
+    dataset: str = "embedded"
+    """Dataset name; only "embedded" (the corpus shipped in trainer/corpus/) exists."""
+
+
+@dataclass(kw_only=True)
+class Parallelism:
+    data_parallel_replicate_degree: int = 1
+    """Replicated data parallelism (HSDP outer dim)."""
+    data_parallel_shard_degree: int = -1
+    """FSDP degree; -1 takes whatever the other degrees leave of the world size."""
+    tensor_parallel_degree: int = 1
+    """Tensor + sequence parallelism degree."""
+    context_parallel_degree: int = 1
+    """Context parallelism degree (not supported by the llama3 plan yet)."""
+    pipeline_parallel_degree: int = 1
+    """Pipeline parallelism degree (not supported yet)."""
+    enable_loss_parallel: bool = True
+    """With TP, keep logits sharded on the vocabulary dim for the cross-entropy."""
+
+
+@dataclass(kw_only=True)
+class ActivationCheckpoint:
+    mode: Literal["none", "full", "selective"] = "none"
+    """Activation checkpointing of transformer blocks: none, full or selective."""
+
+
+@dataclass(kw_only=True)
+class Metrics:
+    log_freq: int = 1
+    """Log the metrics line every this many steps (and at the last step)."""
+    enable_tensorboard: bool = False
+    """Also write the metrics to tensorboard under dump_folder/tb."""
+
+
+@dataclass(kw_only=True)
+class Checkpoint:
+    enable: bool = False
+    """Checkpointing is a later issue: True raises NotImplementedError."""
+
+
+@dataclass(kw_only=True)
+class Compile:
+    enable: bool = False
+    """torch.compile the blocks (not supported yet: True raises NotImplementedError)."""
+
+
+@dataclass(kw_only=True)
+class Comm:
+    init_timeout_seconds: int = 300
+    """Timeout of process-group initialization and collectives."""
+
+
+@dataclass(kw_only=True)
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    training: Training = field(default_factory=Training)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    metrics: Metrics = field(default_factory=Metrics)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    compile: Compile = field(default_factory=Compile)
+    comm: Comm = field(default_factory=Comm)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+
+# ------------------------------------------------------------------------------------ parsing
+def _did_you_mean(name: str, choices: typing.Iterable[str]) -> str:
+    close = difflib.get_close_matches(name, list(choices), n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _section_fields(cfg: JobConfig, section: str, where: str) -> dict[str, dataclasses.Field]:
+    names = {f.name for f in dataclasses.fields(cfg)}
+    if section not in names:
+        raise ValueError(f"unknown config section [{section}] in {where}{_did_you_mean(section, names)}")
+    return {f.name: f for f in dataclasses.fields(getattr(cfg, section))}
+
+
+def _field_type(section_obj: Any, key: str) -> Any:
+    return typing.get_type_hints(type(section_obj))[key]
+
+
+def parse_value(raw: Any, tp: Any, name: str) -> Any:
+    """Convert `raw` (a CLI string or a TOML value) to the field type `tp`; errors name the key."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if raw is None or (isinstance(raw, str) and raw.lower() in ("none", "null")):
+            return None
+        return parse_value(raw, args[0], name)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if raw not in choices:
+            raise ValueError(f"{name}={raw!r}: expected one of {list(choices)}")
+        return raw
+    if tp is bool:
+        if isinstance(raw, bool):
+            return raw
+        if isinstance(raw, str) and raw.lower() in ("true", "false", "1", "0"):
+            return raw.lower() in ("true", "1")
+        raise TypeError(f"{name}={raw!r}: expected a bool (true or false)")
+    if tp is int:
+        if isinstance(raw, bool) or isinstance(raw, float):
+            raise TypeError(f"{name}={raw!r}: expected an int")
+        try:
+            return int(raw)
+        except ValueError:
+            raise TypeError(f"{name}={raw!r}: expected an int") from None
+    if tp is float:
+        if isinstance(raw, bool):
+            raise TypeError(f"{name}={raw!r}: expected a float")
+        try:
+            return float(raw)
+        except ValueError:
+            raise TypeError(f"{name}={raw!r}: expected a float") from None
+    if tp is str:
+        if not isinstance(raw, str):
+            raise TypeError(f"{name}={raw!r}: expected a string")
+        return raw
+    raise TypeError(f"{name}: unsupported field type {tp}")
+
+
+def _set(cfg: JobConfig, section: str, key: str, raw: Any, where: str) -> None:
+    fields = _section_fields(cfg, section, where)
+    if key not in fields:
+        raise ValueError(f"unknown config key {section}.{key} in {where}{_did_you_mean(key, fields)}")
+    section_obj = getattr(cfg, section)
+    setattr(section_obj, key, parse_value(raw, _field_type(section_obj, key), f"{section}.{key}"))
+
+
+def _split_cli(argv: list[str]) -> list[tuple[str, str]]:
+    """`--a.b v`, `--a.b=v`, and a bare `--a.b` (true, for bools) -> [("a.b", "v"), ...]."""
+    pairs: list[tuple[str, str]] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--") or "." not in arg:
+            raise ValueError(f"unexpected argument {arg!r}: expected --section.key value")
+        if "=" in arg:
+            name, value = arg[2:].split("=", 1)
+            i += 1
+        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            name, value = arg[2:], argv[i + 1]
+            i += 2
+        else:
+            name, value = arg[2:], "true"
+            i += 1
+        pairs.append((name, value))
+    return pairs
+
+
+def load_config(argv: list[str] | None = None) -> JobConfig:
+    """Defaults < the TOML named by `--job.config_file` < the other `--section.key value` overrides."""
+    cfg = JobConfig()
+    pairs = _split_cli(list(argv or []))
+    config_file = next((v for k, v in pairs if k == "job.config_file"), None)
+    if config_file:
+        path = Path(config_file)
+        if not path.is_file():
+            raise FileNotFoundError(f"job.config_file {config_file!r} does not exist")
+        with path.open("rb") as f:
+            data = tomllib.load(f)
+        for section, values in data.items():
+            _section_fields(cfg, section, config_file)
+            if not isinstance(values, dict):
+                raise ValueError(f"{config_file}: [{section}] must be a table, found {values!r}")
+            for key, raw in values.items():
+                _set(cfg, section, key, raw, config_file)
+    for name, raw in pairs:
+        section, _, key = name.partition(".")
+        _set(cfg, section, key, raw, "command line")
+    return cfg
+
+
+# ------------------------------------------------------------------------------------- output
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    return json.dumps(v)  # a JSON string is a valid TOML basic string
+
+
+def to_toml(cfg: JobConfig) -> str:
+    """The resolved config as TOML (None-valued keys are left out: TOML has no null)."""
+    lines: list[str] = []
+    for section, values in cfg.to_dict().items():
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {_toml_value(v)}" for k, v in values.items() if v is not None]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def save_config(cfg: JobConfig, folder: str | Path) -> Path:
+    """Write config.toml and config.json into `folder`; returns the TOML path."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    path = folder / "config.toml"
+    path.write_text(to_toml(cfg))
+    return path
