@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 
@@ -49,40 +50,43 @@ def _build(
     return DTensor(local.requires_grad_(requires_grad), spec, requires_grad=requires_grad)
 
 
-def zeros(
-    *size: int | Sequence[int],
-    dtype: torch.dtype | None = None,
-    requires_grad: bool = False,
-    device_mesh: DeviceMesh | None = None,
-    placements: Sequence[Placement] | None = None,
-) -> DTensor:
-    return _build(
-        lambda s, o, d, dev, g: torch.zeros(s, dtype=d, device=dev), size, dtype, requires_grad, device_mesh, placements
-    )
+LocalFill = Callable[[tuple[int, ...], tuple[int, ...], torch.dtype, torch.device, tuple[int, ...]], torch.Tensor]
 
 
-def ones(
-    *size: int | Sequence[int],
-    dtype: torch.dtype | None = None,
-    requires_grad: bool = False,
-    device_mesh: DeviceMesh | None = None,
-    placements: Sequence[Placement] | None = None,
-) -> DTensor:
-    return _build(
-        lambda s, o, d, dev, g: torch.ones(s, dtype=d, device=dev), size, dtype, requires_grad, device_mesh, placements
-    )
+def _factory(name: str, make_fill: Callable[[], LocalFill], doc: str) -> Callable[..., DTensor]:
+    """A torch-style factory `name(*size, dtype=, requires_grad=, device_mesh=, placements=)`.
+
+    `make_fill()` runs once per call (rand/randn draw their base seed there) and returns the
+    function that fills this rank's shard given (local shape, global offset, dtype, device, global shape).
+    """
+
+    def factory(
+        *size: int | Sequence[int],
+        dtype: torch.dtype | None = None,
+        requires_grad: bool = False,
+        device_mesh: DeviceMesh | None = None,
+        placements: Sequence[Placement] | None = None,
+    ) -> DTensor:
+        return _build(make_fill(), size, dtype, requires_grad, device_mesh, placements)
+
+    factory.__name__ = factory.__qualname__ = name
+    factory.__doc__ = doc
+    return factory
 
 
-def empty(
-    *size: int | Sequence[int],
-    dtype: torch.dtype | None = None,
-    requires_grad: bool = False,
-    device_mesh: DeviceMesh | None = None,
-    placements: Sequence[Placement] | None = None,
-) -> DTensor:
-    return _build(
-        lambda s, o, d, dev, g: torch.empty(s, dtype=d, device=dev), size, dtype, requires_grad, device_mesh, placements
-    )
+zeros = _factory("zeros", lambda: lambda s, o, d, dev, g: torch.zeros(s, dtype=d, device=dev), "Zeros.")
+ones = _factory("ones", lambda: lambda s, o, d, dev, g: torch.ones(s, dtype=d, device=dev), "Ones.")
+empty = _factory("empty", lambda: lambda s, o, d, dev, g: torch.empty(s, dtype=d, device=dev), "Uninitialized.")
+rand = _factory(
+    "rand",
+    lambda: partial(_blocked, torch.rand, _base_seed()),
+    "Uniform [0, 1) values; the same global tensor on any mesh and placements.",
+)
+randn = _factory(
+    "randn",
+    lambda: partial(_blocked, torch.randn, _base_seed()),
+    "Standard normal values; the same global tensor on any mesh and placements.",
+)
 
 
 def full(
@@ -97,44 +101,6 @@ def full(
     return _build(
         lambda s, o, d, dev, g: torch.full(s, fill_value, dtype=d, device=dev),
         (size,),
-        dtype,
-        requires_grad,
-        device_mesh,
-        placements,
-    )
-
-
-def rand(
-    *size: int | Sequence[int],
-    dtype: torch.dtype | None = None,
-    requires_grad: bool = False,
-    device_mesh: DeviceMesh | None = None,
-    placements: Sequence[Placement] | None = None,
-) -> DTensor:
-    """Uniform [0, 1) values; the same global tensor on any mesh and placements."""
-    base = _base_seed()
-    return _build(
-        lambda s, o, d, dev, g: _blocked(torch.rand, base, s, o, d, dev, g),
-        size,
-        dtype,
-        requires_grad,
-        device_mesh,
-        placements,
-    )
-
-
-def randn(
-    *size: int | Sequence[int],
-    dtype: torch.dtype | None = None,
-    requires_grad: bool = False,
-    device_mesh: DeviceMesh | None = None,
-    placements: Sequence[Placement] | None = None,
-) -> DTensor:
-    """Standard normal values; the same global tensor on any mesh and placements."""
-    base = _base_seed()
-    return _build(
-        lambda s, o, d, dev, g: _blocked(torch.randn, base, s, o, d, dev, g),
-        size,
         dtype,
         requires_grad,
         device_mesh,
