@@ -176,20 +176,15 @@ def parse_value(raw: Any, tp: Any, name: str) -> Any:
         if isinstance(raw, str) and raw.lower() in ("true", "false", "1", "0"):
             return raw.lower() in ("true", "1")
         raise TypeError(f"{name}={raw!r}: expected a bool (true or false)")
-    if tp is int:
-        if isinstance(raw, bool) or isinstance(raw, float):
-            raise TypeError(f"{name}={raw!r}: expected an int")
+    if tp in (int, float):
+        # bool is an int subclass and 1.5 is not an int: both are typos of the number meant
+        wrong = isinstance(raw, bool) or (tp is int and isinstance(raw, float))
         try:
-            return int(raw)
+            if not wrong:
+                return tp(raw)
         except ValueError:
-            raise TypeError(f"{name}={raw!r}: expected an int") from None
-    if tp is float:
-        if isinstance(raw, bool):
-            raise TypeError(f"{name}={raw!r}: expected a float")
-        try:
-            return float(raw)
-        except ValueError:
-            raise TypeError(f"{name}={raw!r}: expected a float") from None
+            pass
+        raise TypeError(f"{name}={raw!r}: expected {'an int' if tp is int else 'a float'}")
     if tp is str:
         if not isinstance(raw, str):
             raise TypeError(f"{name}={raw!r}: expected a string")

@@ -11,7 +11,8 @@ and outputs are converted and redistributed. Names and defaults mirror torch's t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -50,82 +51,80 @@ def _finish_output(x: Any, mesh: DeviceMesh, layout: Placement | None, use_local
     return x.to_local() if use_local_output else x
 
 
+@dataclass(kw_only=True)
 class ColwiseParallel(ParallelStyle):
-    """Shard a Linear's output features (weight S(0)) or an Embedding's embedding dim (weight S(1))."""
+    """Shard a Linear's output features (weight S(0)) or an Embedding's embedding dim (weight S(1)).
 
-    def __init__(
-        self,
-        *,
-        input_layouts: Placement | None = None,
-        output_layouts: Placement | None = None,
-        use_local_output: bool = True,
-    ) -> None:
-        self.input_layout = input_layouts or Replicate()
-        self.output_layout = output_layouts or Shard(-1)
-        self.use_local_output = use_local_output
+    Defaults: input_layouts Replicate(), output_layouts Shard(-1).
+    """
 
-    def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
-        dim = 1 if isinstance(module, nn.Embedding) else 0
-        for key, param in list(module.named_parameters(recurse=False)):
-            sharded = distribute_tensor(param.data, mesh, [Shard(dim)], src_data_rank=self.src_data_rank)
-            module.register_parameter(key, nn.Parameter(sharded, requires_grad=param.requires_grad))
+    input_layouts: Placement | None = None
+    output_layouts: Placement | None = None
+    use_local_output: bool = True
 
     def apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        _check_module(self, module)
-        return distribute_module(
+        weight_dim = 1 if isinstance(module, nn.Embedding) else 0
+        return _shard_module(
+            self,
             module,
             device_mesh,
-            self._partition,
-            lambda mod, inputs, mesh: tuple(_to_dtensor(x, mesh, self.input_layout, Replicate()) for x in inputs),
-            lambda mod, out, mesh: _finish_output(out, mesh, self.output_layout, self.use_local_output),
-        )
-
-    def __repr__(self) -> str:
-        return (
-            f"ColwiseParallel(input_layouts={self.input_layout}, output_layouts={self.output_layout}, "
-            f"use_local_output={self.use_local_output})"
+            lambda key: Shard(weight_dim),  # the bias follows the output features
+            input_layout=self.input_layouts or Replicate(),
+            desired_input=Replicate(),
+            output_layout=self.output_layouts or Shard(-1),
         )
 
 
+@dataclass(kw_only=True)
 class RowwiseParallel(ParallelStyle):
-    """Shard a Linear's input features (weight S(1), bias R) or an Embedding's vocabulary (weight S(0))."""
+    """Shard a Linear's input features (weight S(1), bias R) or an Embedding's vocabulary (weight S(0)).
 
-    def __init__(
-        self,
-        *,
-        input_layouts: Placement | None = None,
-        output_layouts: Placement | None = None,
-        use_local_output: bool = True,
-    ) -> None:
-        self.input_layout = input_layouts or Shard(-1)
-        self.output_layout = output_layouts or Replicate()
-        self.use_local_output = use_local_output
+    Defaults: input_layouts Shard(-1), output_layouts Replicate().
+    """
 
-    def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
-        for key, param in list(module.named_parameters(recurse=False)):
-            if isinstance(module, nn.Embedding):
-                placement: Placement = Shard(0)
-            else:  # Linear: weight (out, in) shards `in`; the bias is added once, after the reduce
-                placement = Shard(1) if key == "weight" else Replicate()
-            sharded = distribute_tensor(param.data, mesh, [placement], src_data_rank=self.src_data_rank)
-            module.register_parameter(key, nn.Parameter(sharded, requires_grad=param.requires_grad))
+    input_layouts: Placement | None = None
+    output_layouts: Placement | None = None
+    use_local_output: bool = True
 
     def apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        _check_module(self, module)
-        desired = Replicate() if isinstance(module, nn.Embedding) else Shard(-1)
-        return distribute_module(
+        embedding = isinstance(module, nn.Embedding)
+        return _shard_module(
+            self,
             module,
             device_mesh,
-            self._partition,
-            lambda mod, inputs, mesh: tuple(_to_dtensor(x, mesh, self.input_layout, desired) for x in inputs),
-            lambda mod, out, mesh: _finish_output(out, mesh, self.output_layout, self.use_local_output),
+            # Linear weight (out, in) shards `in`; the bias is added once, after the reduce
+            lambda key: Shard(0) if embedding else Shard(1) if key == "weight" else Replicate(),
+            input_layout=self.input_layouts or Shard(-1),
+            desired_input=Replicate() if embedding else Shard(-1),
+            output_layout=self.output_layouts or Replicate(),
         )
 
-    def __repr__(self) -> str:
-        return (
-            f"RowwiseParallel(input_layouts={self.input_layout}, output_layouts={self.output_layout}, "
-            f"use_local_output={self.use_local_output})"
-        )
+
+def _shard_module(
+    style: ColwiseParallel | RowwiseParallel,
+    module: nn.Module,
+    mesh: DeviceMesh,
+    placement_of: Callable[[str], Placement],
+    *,
+    input_layout: Placement,
+    desired_input: Placement,
+    output_layout: Placement,
+) -> nn.Module:
+    """Shard a Linear/Embedding's parameters by `placement_of(name)` and hook its input and output."""
+    _check_module(style, module)
+
+    def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+        for key, param in list(mod.named_parameters(recurse=False)):
+            sharded = distribute_tensor(param.data, mesh, [placement_of(key)], src_data_rank=style.src_data_rank)
+            mod.register_parameter(key, nn.Parameter(sharded, requires_grad=param.requires_grad))
+
+    return distribute_module(
+        module,
+        mesh,
+        partition,
+        lambda mod, inputs, mesh: tuple(_to_dtensor(x, mesh, input_layout, desired_input) for x in inputs),
+        lambda mod, out, mesh: _finish_output(out, mesh, output_layout, style.use_local_output),
+    )
 
 
 def _check_module(style: ParallelStyle, module: nn.Module) -> None:
