@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
+import importlib
 import logging
 import os
 import sys
 import time
+import weakref
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -65,6 +68,12 @@ def init_distributed(device: torch.device, comm: Comm) -> bool:
     process group (e.g. a test world). Returns whether this call created it (and so must destroy it)."""
     if dist.is_initialized():
         return False
+    # torch.distributed.nn.functional binds group.WORLD into its functions' default arguments when
+    # first imported, which would keep the default group alive past destroy_process_group() until
+    # interpreter exit (see teardown). torch._dynamo imports it lazily (the optimizer's first step
+    # does), so import it now, while group.WORLD is still None.
+    importlib.import_module("torch.distributed.nn.functional")
+
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = timedelta(seconds=comm.init_timeout_seconds)
     if "WORLD_SIZE" in os.environ:
@@ -249,23 +258,51 @@ def train(cfg: JobConfig, world_mesh: DeviceMesh, parallel_dims: ParallelDims, d
 
 
 # -------------------------------------------------------------------------------------- main
+def run_job(cfg: JobConfig, device: torch.device, world_size: int) -> None:
+    """Everything between joining the world and teardown; what it builds (the mesh, model,
+    optimizer) is garbage once it returns."""
+    logger.info("%s; resolved config:\n%s", cfg.job.description, to_toml(cfg))
+    if dist.get_rank() == 0:
+        logger.info("config saved to %s", save_config(cfg, cfg.job.dump_folder))
+    parallel_dims = build_parallel_dims(cfg.parallelism, world_size)
+    check_unsupported(cfg, parallel_dims)
+    world_mesh = parallel_dims.build_mesh(device.type)
+    train(cfg, world_mesh, parallel_dims, device)
+
+
+def teardown(device: torch.device, *, owns_group: bool) -> None:
+    """Release the job's distributed state while the interpreter is still whole.
+
+    A gloo worker thread frees each finished collective's tensors, which takes the GIL; a group that
+    is only destroyed during interpreter finalization can have a worker do that after the GIL is
+    gone, and the process aborts ("terminate called without an active exception"). So, in order:
+    finish device work, collect the model/optimizer/DTensor cycles, then destroy the groups (meshes
+    hold them weakly, so this frees them and joins gloo's workers here).
+    """
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    gc.collect()
+    if not owns_group:  # a caller's world (e.g. a test's): theirs to destroy
+        return
+    world = weakref.ref(dist.group.WORLD)
+    dist.destroy_process_group()
+    gc.collect()
+    if world() is not None:
+        logger.warning(
+            "the default process group is still referenced after destroy_process_group(), so it is freed at "
+            "interpreter exit, where gloo can abort the process; hold process groups weakly (as DeviceMesh does)"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     cfg = load_config(sys.argv[1:] if argv is None else argv)
     device = build_device()
     owns_group = init_distributed(device, cfg.comm)
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    setup_logging(rank)
+    setup_logging(dist.get_rank())
     try:
-        logger.info("%s; resolved config:\n%s", cfg.job.description, to_toml(cfg))
-        if rank == 0:
-            logger.info("config saved to %s", save_config(cfg, cfg.job.dump_folder))
-        parallel_dims = build_parallel_dims(cfg.parallelism, world_size)
-        check_unsupported(cfg, parallel_dims)
-        world_mesh = parallel_dims.build_mesh(device.type)
-        train(cfg, world_mesh, parallel_dims, device)
+        run_job(cfg, device, dist.get_world_size())
     finally:
-        if owns_group:
-            dist.destroy_process_group()
+        teardown(device, owns_group=owns_group)
     return 0
 
 

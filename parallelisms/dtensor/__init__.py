@@ -6,7 +6,7 @@ from torch.optim.optimizer import _foreach_supported_types as _optim_foreach_typ
 from torch.utils._foreach_utils import _foreach_supported_types as _util_foreach_types
 
 from . import dispatch as _dispatch  # noqa: F401  (registers every op rule before the first DTensor op)
-from .device_mesh import DeviceMesh, init_device_mesh
+from .device_mesh import DeviceMesh, current_mesh, init_device_mesh
 from .dtensor import DTensor, distribute_module, distribute_tensor
 from .factories import empty, full, ones, rand, randn, zeros
 from .placements import Partial, Placement, Replicate, Shard
@@ -26,6 +26,7 @@ __all__ = [
     "Placement",
     "Replicate",
     "Shard",
+    "current_mesh",
     "distribute_module",
     "distribute_tensor",
     "empty",

@@ -18,7 +18,13 @@ from torch.distributed import ProcessGroup
 
 from .placements import chunk_size_and_offset, chunk_sizes, norm_order
 
-_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+_REDUCE_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "avg": dist.ReduceOp.SUM,
+    "prod": dist.ReduceOp.PRODUCT,
+    "min": dist.ReduceOp.MIN,
+    "max": dist.ReduceOp.MAX,
+}
 
 
 def _pad_dim(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:

@@ -18,8 +18,12 @@ from typing import Any
 
 import torch
 import torch.distributed._functional_collectives  # registers the c10d_functional keys
+from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.hooks import RemovableHandle
+from torch.utils.module_tracker import ModuleTracker
 
 _py = torch.ops.c10d_functional
 _native = torch.ops._c10d_functional
@@ -72,28 +76,79 @@ def _defers_to_subclass(t: type) -> bool:
     return getattr(t, "__torch_dispatch__", _PLAIN_DISPATCH) is not _PLAIN_DISPATCH and not issubclass(t, FakeTensor)
 
 
-class CommDebugMode(TorchDispatchMode):
-    """Context manager counting collectives by kind, with the bytes each rank sent."""
+class _ModuleTracker(ModuleTracker):
+    """torch.utils' ModuleTracker, leaving a module only after the module's own forward hooks ran.
+
+    Its global forward hook runs before a module's own hooks, so a collective issued by a TP
+    style's output hook (RowwiseParallel's reduction) would count for the parent. A per-module
+    hook, registered on first entry and so after the styles' hooks, leaves it instead.
+    """
 
     def __init__(self) -> None:
         super().__init__()
-        self.comm_counts: dict[Any, int] = defaultdict(int)
-        self.comm_bytes: dict[Any, int] = defaultdict(int)
+        self._post_hooks: dict[int, RemovableHandle] = {}
+
+    def _fw_pre_hook(self, mod: nn.Module, input: Any) -> None:
+        super()._fw_pre_hook(mod, input)
+        if id(mod) not in self._post_hooks:
+            self._post_hooks[id(mod)] = mod.register_forward_hook(self._fw_post_hook)
+
+    def __enter__(self) -> _ModuleTracker:
+        self._fw_pre_handle = register_module_forward_pre_hook(self._fw_pre_hook)
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        self._fw_pre_handle.remove()
+        for handle in (*self._post_hooks.values(), *self._hooks):
+            handle.remove()
+        self._post_hooks.clear()
+        self._hooks.clear()
+
+
+class CommDebugMode(TorchDispatchMode):
+    """Context manager counting collectives by kind, with the bytes each rank sent.
+
+    `comm_module_counts` attributes every collective to the module running it and to each of its
+    parents, in forward or backward, as torch's: `{"Global": {"forward": {key: n}, "backward": ...},
+    "Transformer.layers.0": ...}` (module names as torch.utils.module_tracker names them).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.comm_counts: defaultdict[Any, int] = defaultdict(int)
+        self.comm_bytes: defaultdict[Any, int] = defaultdict(int)
+        self.comm_module_counts: dict[str, dict[str, defaultdict[Any, int]]] = {}
+        self._modules = _ModuleTracker()
 
     def __enter__(self) -> CommDebugMode:
         self.comm_counts.clear()
         self.comm_bytes.clear()
+        self.comm_module_counts.clear()
+        self._module_counts("Global")
+        self._modules.__enter__()
         super().__enter__()
         return self
+
+    def __exit__(self, *args: Any) -> None:
+        super().__exit__(*args)
+        self._modules.__exit__(*args)
 
     def get_total_counts(self) -> int:
         return sum(self.comm_counts.values())
 
-    def get_comm_counts(self) -> dict[Any, int]:
-        return dict(self.comm_counts)
+    def get_comm_counts(self) -> defaultdict[Any, int]:
+        """Collectives by key; a collective never issued reads 0 (a defaultdict, as torch's)."""
+        return self.comm_counts
 
-    def get_comm_bytes(self) -> dict[Any, int]:
-        return dict(self.comm_bytes)
+    def get_comm_bytes(self) -> defaultdict[Any, int]:
+        """Bytes this rank handed to collectives, by the keys of get_comm_counts."""
+        return self.comm_bytes
+
+    def _module_counts(self, name: str) -> dict[str, defaultdict[Any, int]]:
+        counts = self.comm_module_counts.get(name)
+        if counts is None:
+            counts = self.comm_module_counts[name] = {"forward": defaultdict(int), "backward": defaultdict(int)}
+        return counts
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(_defers_to_subclass(t) for t in types):
@@ -106,4 +161,7 @@ class CommDebugMode(TorchDispatchMode):
             key, payload = entry
             self.comm_counts[key] += 1
             self.comm_bytes[key] += _nbytes(args[payload]) if payload < len(args) else 0
+            phase = "backward" if self._modules.is_bw else "forward"
+            for name in self._modules.parents | {"Global"}:
+                self._module_counts(name)[phase][key] += 1
         return func(*args, **(kwargs or {}))

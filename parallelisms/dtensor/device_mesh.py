@@ -4,17 +4,34 @@ A root mesh (from `init_device_mesh`) creates every process group once. Slices (
 `mesh["dp", "tp"]`) and flattened submeshes (`mesh.flatten("dp")`) are views of the root: they
 remember which root dims each of their dims covers and reuse the root's groups, so slicing never
 creates a group and a flattened group is created once, cached on the root under its name.
+
+Groups are held weakly, so `dist.destroy_process_group()` frees them while meshes (and every
+DTensor, through its spec) are still alive. That matters at exit: a gloo group freed only during
+interpreter finalization can have a worker thread that needs the GIL to free a finished
+collective's tensors, and the process aborts ("terminate called without an active exception").
+After the groups are destroyed a mesh still answers shape and rank questions; `get_group` raises.
+
+`with mesh:` makes `mesh` this thread's current mesh (`current_mesh()`), which APIs given
+`device_mesh=None` use, as torch's. A mesh pickles without its groups, as its root's (device type,
+ranks, dim names) and the root dims it covers; unpickling takes the live root mesh with that key in
+this process (the same slice or flattened view of it) and so its groups. Without a live root it
+comes back detached: the same ranks and names, and `get_group` says how to fix it.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import threading
+import weakref
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
+
+# A mesh dim's process group, held weakly (see the module docstring); None where there is none.
+GroupRef = weakref.ref[ProcessGroup]
 
 DEVICE_TYPES = ("cpu", "cuda")
 BACKEND_FOR_DEVICE = {"cpu": "gloo", "cuda": "nccl"}
@@ -35,7 +52,8 @@ class DeviceMesh:
         mesh_dim_names: Sequence[str] | None = None,
         _root: DeviceMesh | None = None,
         _root_dims: tuple[tuple[int, ...], ...] | None = None,
-        _groups: list[ProcessGroup | None] | None = None,
+        _groups: Sequence[GroupRef | None] | None = None,
+        _detached: bool = False,
     ) -> None:
         _check_device_type(device_type)
         ranks = (
@@ -57,10 +75,15 @@ class DeviceMesh:
             if len(set(ranks.flatten().tolist())) != ranks.numel():
                 raise ValueError(f"mesh {ranks.tolist()} repeats a rank; each rank may appear once")
             self._flattened: dict[str, DeviceMesh] = {}
-            self._flat_groups: dict[tuple[int, ...], ProcessGroup | None] = {}
-            _groups = [_create_line_groups(ranks, (d,)) for d in range(ranks.ndim)]
+            self._flat_groups: dict[tuple[int, ...], GroupRef | None] = {}
+            self._detached = _detached  # unpickled without a live root: no groups at all
+            if _detached:
+                _groups = [None] * ranks.ndim
+            else:
+                _groups = [_create_line_groups(ranks, (d,)) for d in range(ranks.ndim)]
+                _live_roots.add(self)
         assert _groups is not None and len(_groups) == ranks.ndim
-        self._groups = _groups
+        self._groups = tuple(_groups)
 
     # ---------------------------------------------------------------------------------- properties
     @property
@@ -93,13 +116,36 @@ class DeviceMesh:
     def get_group(self, mesh_dim: int | str | None = None) -> ProcessGroup:
         if mesh_dim is None and self.ndim != 1:
             raise ValueError(f"get_group() needs a mesh_dim on a {self.ndim}-D mesh {self.mesh_dim_names}")
-        group = self._groups[self._dim_index(mesh_dim or 0)]
+        i = self._dim_index(mesh_dim or 0)
+        ref = self._groups[i]
+        group = ref() if ref is not None else None
         if group is None:
-            raise RuntimeError(f"rank {self._rank} is not part of {self}")
+            raise RuntimeError(self._missing_group(i))
         return group
 
     def get_all_groups(self) -> list[ProcessGroup]:
         return [self.get_group(i) for i in range(self.ndim)]
+
+    def _missing_group(self, i: int) -> str:
+        """Why mesh dim `i` has no process group, and the fix."""
+        dim = repr(self.mesh_dim_names[i]) if self.mesh_dim_names else str(i)
+        root = self._root
+        if self._coordinate is None:
+            return f"rank {self._rank} is not part of {self}"
+        if root._detached:
+            return (
+                f"{self} was unpickled in a process with no live root mesh {root}; build that mesh "
+                f"(init_device_mesh(...)) on every rank before loading, and its groups are reattached"
+            )
+        if self._groups[i] is None:  # a flattened dim unpickled before the live root flattened it
+            return (
+                f"mesh dim {dim} of {self} flattens root dims {self._root_dims[i]}, which the live root "
+                f"{root} has not flattened; flatten them (root[names].flatten(name)) on every rank before loading"
+            )
+        return (
+            f"the process group of mesh dim {dim} of {self} was destroyed (dist.destroy_process_group()); "
+            f"build a new mesh with init_device_mesh(...) after init_process_group()"
+        )
 
     # ----------------------------------------------------------------------------- slicing, flatten
     def __getitem__(self, names: str | Sequence[str]) -> DeviceMesh:
@@ -140,6 +186,8 @@ class DeviceMesh:
                     f"pick another name"
                 )
             return cached
+        if root._detached:
+            raise RuntimeError(self._missing_group(0))
         if dims not in root._flat_groups:
             root._flat_groups[dims] = _create_line_groups(root.mesh, dims)
         flat = root._view((dims,), (name,), [root._flat_groups[dims]])
@@ -148,7 +196,7 @@ class DeviceMesh:
 
     _flatten = flatten
 
-    def _resolve_name(self, name: str) -> tuple[tuple[int, ...], ProcessGroup | None]:
+    def _resolve_name(self, name: str) -> tuple[tuple[int, ...], GroupRef | None]:
         if self.mesh_dim_names is not None and name in self.mesh_dim_names:
             i = self.mesh_dim_names.index(name)
             return self._root_dims[i], self._groups[i]
@@ -158,7 +206,9 @@ class DeviceMesh:
         known = list(self.mesh_dim_names or ()) + list(self._root._flattened)
         raise KeyError(f"mesh has no dim named {name!r}; known dims: {known}")
 
-    def _view(self, root_dims: tuple[tuple[int, ...], ...], names: Sequence[str], groups: list) -> DeviceMesh:
+    def _view(
+        self, root_dims: tuple[tuple[int, ...], ...], names: Sequence[str], groups: Sequence[GroupRef | None]
+    ) -> DeviceMesh:
         """Submesh of this root holding this rank, over `root_dims` (each possibly flattened)."""
         assert self._root is self
         used = [d for dims in root_dims for d in dims]
@@ -188,6 +238,41 @@ class DeviceMesh:
             raise IndexError(f"mesh dim {mesh_dim} is out of range for a {self.ndim}-D mesh")
         return mesh_dim % self.ndim
 
+    # ------------------------------------------------------------------------- current mesh, pickle
+    def __enter__(self) -> DeviceMesh:
+        """Make this the current mesh of this thread until the `with` block ends (as torch)."""
+        _current.stack.append(self)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        popped = _current.stack.pop()
+        assert popped is self, f"`with` blocks of meshes exited out of order: left {self}, innermost was {popped}"
+
+    def __reduce__(self) -> tuple:
+        """Pickle as (root key, root dims, dim names), never the groups: see `_unpickle_mesh`."""
+        root = self._root
+        return (
+            _unpickle_mesh,
+            (root.device_type, root.mesh.tolist(), root.mesh_dim_names, self._root_dims, self.mesh_dim_names),
+        )
+
+    def _reslice(self, root_dims: tuple[tuple[int, ...], ...], names: tuple[str, ...] | None) -> DeviceMesh:
+        """The view of this root over `root_dims` named `names`, with the groups slicing gave it.
+
+        Creates no group (unpickling must not run collectives): a flattened dim this root has not
+        flattened gets none, and `get_group` on it says to flatten first.
+        """
+        assert self._root is self
+        if root_dims == self._root_dims and names == self.mesh_dim_names:
+            return self
+        assert names is not None, "only named meshes have views"
+        if len(root_dims) == 1 and len(root_dims[0]) > 1:
+            cached = self._flattened.get(names[0])
+            if cached is not None and cached._root_dims == root_dims:
+                return cached
+        groups = [self._groups[dims[0]] if len(dims) == 1 else self._flat_groups.get(dims) for dims in root_dims]
+        return self._view(root_dims, names, groups)
+
     # --------------------------------------------------------------------------------- identity
     def __hash__(self) -> int:
         return self._hash
@@ -205,6 +290,64 @@ class DeviceMesh:
     def __repr__(self) -> str:
         names = f", mesh_dim_names={self.mesh_dim_names}" if self.mesh_dim_names else ""
         return f"DeviceMesh({self.device_type!r}, {self.mesh.tolist()}{names})"
+
+
+# --------------------------------------------------------------------------------------------------
+# process-wide state: torch keeps both too (its _mesh_resources), since `with mesh:` and unpickling
+# have no argument to pass a mesh through
+# --------------------------------------------------------------------------------------------------
+
+
+class _MeshStack(threading.local):
+    """The meshes entered with `with mesh:` on this thread, innermost last."""
+
+    def __init__(self) -> None:
+        self.stack: list[DeviceMesh] = []
+
+
+class _LiveRoots:
+    """The root meshes alive in this process by (device type, shape, ranks, dim names), held weakly
+    (the registry keeps no mesh alive); the newest root of a key wins."""
+
+    def __init__(self) -> None:
+        self._roots: weakref.WeakValueDictionary[tuple, DeviceMesh] = weakref.WeakValueDictionary()
+
+    @staticmethod
+    def key(device_type: str, ranks: torch.Tensor, names: tuple[str, ...] | None) -> tuple:
+        return (device_type, tuple(ranks.shape), tuple(ranks.flatten().tolist()), names)
+
+    def add(self, root: DeviceMesh) -> None:
+        self._roots[self.key(root.device_type, root.mesh, root.mesh_dim_names)] = root
+
+    def find(self, device_type: str, ranks: torch.Tensor, names: tuple[str, ...] | None) -> DeviceMesh | None:
+        return self._roots.get(self.key(device_type, ranks, names))
+
+
+_current = _MeshStack()
+_live_roots = _LiveRoots()
+
+
+def current_mesh() -> DeviceMesh | None:
+    """The innermost mesh entered with `with mesh:` on this thread, or None outside any."""
+    return _current.stack[-1] if _current.stack else None
+
+
+def _unpickle_mesh(
+    device_type: str,
+    root_ranks: list,
+    root_names: tuple[str, ...] | None,
+    root_dims: tuple[tuple[int, ...], ...],
+    names: tuple[str, ...] | None,
+) -> DeviceMesh:
+    """A pickled mesh in this process: the same view of the live root mesh with the pickled key, so
+    it shares that root's groups (a root comes back as the live root itself). A view is re-sliced
+    around this process's rank, as slicing the live root here would. With no live root, a detached
+    copy: same ranks and names, no groups."""
+    ranks = torch.tensor(root_ranks, dtype=torch.int64)
+    root = _live_roots.find(device_type, ranks, root_names)
+    if root is None:
+        root = DeviceMesh(device_type, ranks, mesh_dim_names=root_names, _detached=True)
+    return root._reslice(root_dims, names)
 
 
 def init_device_mesh(
@@ -242,11 +385,12 @@ def init_default_process_group(device_type: str) -> None:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
-def _create_line_groups(ranks: torch.Tensor, dims: tuple[int, ...]) -> ProcessGroup | None:
-    """Create one group per line of `ranks` along `dims` (flattened); return the one holding us.
+def _create_line_groups(ranks: torch.Tensor, dims: tuple[int, ...]) -> GroupRef | None:
+    """Create one group per line of `ranks` along `dims` (flattened); return (weakly) the one holding us.
 
     Every rank must call this with the same arguments: `new_group` is collective over the world.
-    A line covering the whole world in rank order reuses the default group.
+    A line covering the whole world in rank order reuses the default group. c10d keeps every group
+    alive until `destroy_process_group()`; the weak reference lets that call free it.
     """
     rest = [d for d in range(ranks.ndim) if d not in dims]
     lines = ranks.permute(*rest, *dims).reshape(-1, math.prod(ranks.shape[d] for d in dims)).tolist()
@@ -265,7 +409,7 @@ def _create_line_groups(ranks: torch.Tensor, dims: tuple[int, ...]) -> ProcessGr
             group = dist.new_group(line)
         if me in line:
             mine = group
-    return mine
+    return weakref.ref(mine) if mine is not None else None
 
 
 def _check_device_type(device_type: str) -> None:

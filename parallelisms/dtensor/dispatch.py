@@ -8,6 +8,8 @@ shapes to learn the output shapes, strides and dtypes.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import os
 from collections.abc import Iterator
@@ -18,13 +20,16 @@ from typing import Any
 import torch
 from torch._ops import OpOverload
 
+from .device_mesh import DeviceMesh
 from .dtensor import DTensor
 from .ops import RULES, OpCall, Sharding, rule_file_for
+from .ops import foreach as foreach_ops
 from .ops import random as random_ops
-from .ops.registry import LOCAL_SHAPE, LocalImpl
+from .ops.decompositions import Decomposition, find_decomposition
+from .ops.registry import LOCAL_SHAPE, LOCAL_STRIDE, LocalImpl, ScalarTensor, iter_flat
 from .placements import Partial, Placement, Replicate, Shard
-from .redistribute import plan_transitions, redistribute_local
-from .spec import DTensorSpec, TensorMeta
+from .redistribute import conform_layout, plan_transitions, redistribute_local
+from .spec import DTensorSpec, TensorMeta, dense_stride_like
 
 logger = logging.getLogger(__name__)
 DEBUG = os.environ.get("MESHTRAIN_DEBUG", "0") not in ("", "0")
@@ -45,11 +50,21 @@ class Plan:
     input_specs: tuple[DTensorSpec, ...] = ()  # input specs after redistribution, for local_impl
     local_tensor_positions: tuple[int, ...] = ()  # where local_args holds a DTensorSpec placeholder
     plain: bool = True  # the local op is the op itself, on the op's own args (no special case)
+    relayout: tuple[int, ...] = ()  # outputs whose kernel lays them out unlike their global strides
+    decomposition: Decomposition | None = None  # run this on the op's own DTensor args instead (no rule)
+
+
+@dataclass(slots=True)
+class DispatchOptions:
+    """What the context managers below switch on for the ops dispatched inside them."""
+
+    plain_as_replicate: frozenset[OpOverload] = frozenset()  # plain_tensors_as_replicate(ops)
+    implicit_replication: bool = False  # experimental.implicit_replication(): every plain tensor is R
 
 
 PLANS: dict[tuple, Plan] = {}
+OPTIONS = DispatchOptions()
 _fallback_enabled = False
-_plain_as_replicate: frozenset[OpOverload] = frozenset()  # see plain_tensors_as_replicate
 _fallback_warned: set[OpOverload] = set()
 
 
@@ -58,7 +73,7 @@ def dispatch(op: OpOverload, args: tuple, kwargs: dict | None) -> Any:
     dtensors: list[DTensor] = []
     key_args, local_args = _unwrap_all(op, args, dtensors)
     if kwargs:
-        key_kwargs, local_kwargs = _unwrap_kwargs(op, kwargs, dtensors)
+        key_kwargs, local_kwargs = _unwrap_kwargs(op, args, kwargs, dtensors)
     else:
         key_kwargs, local_kwargs = (), kwargs
     key = (op, key_args, key_kwargs)
@@ -66,18 +81,21 @@ def dispatch(op: OpOverload, args: tuple, kwargs: dict | None) -> Any:
         plan = PLANS.get(key)
     except TypeError:  # an unhashable static arg: decide without caching
         plan = None
+    fresh = plan is None
     if plan is None:
         plan = build_plan(op, key_args, dict(key_kwargs) if key_kwargs else {}, dtensors)
-        try:
-            PLANS[key] = plan
-        except TypeError:  # unhashable, as above
-            pass
     if plan.redistributes:
         local_args, local_kwargs = _redistribute_inputs(op, args, kwargs, dtensors, plan)
     if plan.plain:
         out = op(*local_args, **local_kwargs)
+    elif plan.decomposition is not None:  # its sub-ops dispatch (and wrap their outputs) themselves
+        if fresh:
+            _cache_plan(key, plan, None)
+        return plan.decomposition(*args, **kwargs)
     else:
         out = _run_special(op, plan, local_args, local_kwargs)
+    if fresh:  # cache after the first run, whose local outputs show their kernel's layout
+        plan, out = _cache_plan(key, plan, out)
     if plan.returns == "new":
         if type(out) is torch.Tensor:  # a tensor output always has a spec (None marks non-tensor outputs)
             return DTensor(out, plan.output_specs[0])  # type: ignore[arg-type]
@@ -85,8 +103,60 @@ def dispatch(op: OpOverload, args: tuple, kwargs: dict | None) -> Any:
     return args[0] if plan.returns == "self" else kwargs["out"]
 
 
+def _cache_plan(key: tuple, plan: Plan, out: Any) -> tuple[Plan, Any]:
+    """Store `plan` after its first run, and make the local outputs agree with the global strides.
+
+    Global strides come from the op on meta tensors, but a kernel may lay out its real output
+    differently (CPU flash attention, some backward kernels). A DTensor whose reported strides
+    disagree with its shard's sends reshape/view decompositions down the wrong path (a global
+    `view` of a shard that needs a copy). The global strides must be the same on every rank (they
+    decide which decomposition runs, and so which collectives), so the shard is the one to move:
+    outputs laid out otherwise are copied into the global dim order, on this and later calls.
+    """
+    if out is not None and plan.returns == "new" and not _aliases(key[0]):
+        leaves = out if isinstance(out, (tuple, list)) else (out,)
+        relayout = tuple(
+            i
+            for i, (spec, leaf) in enumerate(zip(plan.output_specs, leaves))
+            if spec is not None and isinstance(leaf, torch.Tensor) and _disagrees(spec, leaf)
+        )
+        if relayout:
+            plan = dataclasses.replace(plan, relayout=relayout, plain=False)
+            out = _relayout(out, plan)
+    try:
+        PLANS[key] = plan
+    except TypeError:  # an unhashable static arg: decide without caching
+        pass
+    return plan, out
+
+
+def _aliases(op: OpOverload) -> bool:
+    """Outputs that are views of inputs keep their layout (copying them would break aliasing)."""
+    return any(r.alias_info is not None for r in op._schema.returns)
+
+
+def _disagrees(spec: DTensorSpec, local: torch.Tensor) -> bool:
+    return conform_layout(local, spec) is not local
+
+
+def _relayout(out: Any, plan: Plan) -> Any:
+    """The outputs `plan.relayout` names, laid out in the dim order of their global strides."""
+    if isinstance(out, torch.Tensor):
+        return conform_layout(out, plan.output_specs[0])  # type: ignore[arg-type]
+    leaves = list(out)
+    for i in plan.relayout:
+        leaves[i] = conform_layout(leaves[i], plan.output_specs[i])  # type: ignore[arg-type]
+    return type(out)(leaves) if isinstance(out, tuple) else leaves
+
+
 def _run_special(op: OpOverload, plan: Plan, local_args: list, local_kwargs: dict) -> Any:
-    """Ops whose local call differs from the global one: local sizes, a local_impl, or RNG."""
+    """Ops whose local call differs from the global one (local sizes, a local_impl, RNG) or whose
+    outputs need a relayout (see _cache_plan)."""
+    out = _run_local(op, plan, local_args, local_kwargs)
+    return _relayout(out, plan) if plan.relayout else out
+
+
+def _run_local(op: OpOverload, plan: Plan, local_args: list, local_kwargs: dict) -> Any:
     local_op = op
     if plan.local_op is not None or plan.local_args is not None:  # e.g. view sizes made local
         local_op, local_args = _local_call(op, plan, local_args)
@@ -102,31 +172,43 @@ def _run_special(op: OpOverload, plan: Plan, local_args: list, local_kwargs: dic
 # --------------------------------------------------------------------------------------------------
 
 
-def _unwrap_one(op: OpOverload, a: Any, dtensors: list[DTensor]) -> tuple[Any, Any]:
+def _unwrap_one(op: OpOverload, a: Any, dtensors: list[DTensor], call: tuple[tuple, dict]) -> tuple[Any, Any]:
     if isinstance(a, DTensor):
         dtensors.append(a)
         return a._spec, a._local_tensor
     if isinstance(a, torch.Tensor):
         if a.ndim == 0:  # a plain 0-d tensor acts as a replicated scalar
-            return ("scalar_tensor", a.dtype, a.device.type), a
-        if op in _plain_as_replicate and dtensors:  # e.g. loss targets under loss_parallel()
-            mesh = dtensors[0]._spec.mesh
-            wrapped = DTensor.from_local(a, mesh, [Replicate()] * mesh.ndim)
+            return ScalarTensor(a.dtype, a.device.type), a
+        if a.numel() == 1 or OPTIONS.implicit_replication or op in OPTIONS.plain_as_replicate:
+            # single-element tensors count as replicated, as in torch (a tensor lr in fused AdamW);
+            # others only under implicit_replication() or for the ops of plain_tensors_as_replicate
+            mesh = _first_mesh(*call)
+            r = (Replicate(),) * mesh.ndim
+            wrapped = DTensor(a, DTensorSpec(mesh, r, TensorMeta(a.shape, tuple(a.stride()), a.dtype)))
             dtensors.append(wrapped)
             return wrapped._spec, a
         # ValueError, not TypeError: Tensor.__add__ & co. turn a TypeError into NotImplemented,
         # which would replace this message with Python's generic one
         raise ValueError(
             f"{op}: got a plain torch.Tensor of shape {tuple(a.shape)} mixed with DTensors; convert it with "
-            f"distribute_tensor(t, mesh, placements) or DTensor.from_local(t, mesh, placements) first"
+            f"distribute_tensor(t, mesh, placements) or DTensor.from_local(t, mesh, placements) first, "
+            f"or run the op under parallelisms.dtensor.experimental.implicit_replication()"
         )
     if isinstance(a, (list, tuple)):
         for x in a:  # a plain loop: `any(genexpr)` costs a microsecond on every view(...) call
             if isinstance(x, torch.Tensor):
-                keys, locals_ = zip(*(_unwrap_one(op, y, dtensors) for y in a))
+                keys, locals_ = zip(*(_unwrap_one(op, y, dtensors, call) for y in a))
                 return tuple(keys), list(locals_)
         return tuple(a), a
     return a, a
+
+
+def _first_mesh(args: tuple, kwargs: dict) -> DeviceMesh:
+    """The mesh of the first DTensor among an op's args: where implicitly replicated tensors go."""
+    for a in iter_flat(args, kwargs):
+        if isinstance(a, DTensor):
+            return a._spec.mesh
+    raise AssertionError("an op reached DTensor dispatch without a DTensor argument")
 
 
 _INT = frozenset({int})
@@ -150,16 +232,16 @@ def _unwrap_all(op: OpOverload, args: tuple, dtensors: list[DTensor]) -> tuple[t
             keys.append(tuple(a))
             locals_.append(a)
         else:
-            k, local = _unwrap_one(op, a, dtensors)
+            k, local = _unwrap_one(op, a, dtensors, (args, {}))
             keys.append(k)
             locals_.append(local)
     return tuple(keys), locals_
 
 
-def _unwrap_kwargs(op: OpOverload, kwargs: dict, dtensors: list[DTensor]) -> tuple[tuple, dict]:
+def _unwrap_kwargs(op: OpOverload, args: tuple, kwargs: dict, dtensors: list[DTensor]) -> tuple[tuple, dict]:
     keys, locals_ = [], {}
     for name, a in kwargs.items():
-        k, local = _unwrap_one(op, a, dtensors)
+        k, local = _unwrap_one(op, a, dtensors, (args, kwargs))
         keys.append((name, k))
         locals_[name] = local
     return tuple(keys), locals_
@@ -211,9 +293,15 @@ def _collective_name(src: Placement, dst: Placement) -> str:
 def build_plan(op: OpOverload, key_args: tuple, key_kwargs: dict, dtensors: list[DTensor]) -> Plan:
     call = OpCall(op, key_args, key_kwargs)
     specs = call.specs
-    _check_same_mesh(op, specs)
+    groups = _check_same_mesh(op, call)
+    if groups is not None:  # a foreach op over several meshes: once per mesh
+        run = functools.partial(foreach_ops.run_per_mesh, op, groups)
+        return _decomposition_plan(call, run, f"lists on {len(groups)} meshes: one call per mesh")
     rule = RULES.get(op)
     if rule is None:
+        decomposition = find_decomposition(op)
+        if decomposition is not None:
+            return _decomposition_plan(call, decomposition, "no sharding rule: running its decomposition")
         if _fallback_enabled:
             return _fallback_plan(op, call)
         raise NotImplementedError(
@@ -225,12 +313,22 @@ def build_plan(op: OpOverload, key_args: tuple, key_kwargs: dict, dtensors: list
     return _finish_plan(call, choice)
 
 
+def _decomposition_plan(call: OpCall, decomposition: Decomposition, how: str) -> Plan:
+    """A plan that hands the op's DTensor args to `decomposition` (ops/decompositions.py)."""
+    if DEBUG:
+        logger.info("%s: %s", call.op, how)
+    inputs = (None,) * len(call.specs)
+    return Plan(inputs, (), redistributes=False, random=False, returns="new", plain=False, decomposition=decomposition)
+
+
 def choose(call: OpCall, candidates: Sharding | list[Sharding]) -> Sharding:
     """The candidate that moves the fewest bytes; ties keep more outputs sharded."""
     if isinstance(candidates, Sharding):
         return candidates
     if not candidates:
         raise NotImplementedError(f"the rule for {call.op} found no legal sharding for these placements")
+    if call.specs[0].mesh.get_coordinate() is None:  # off the mesh: nothing moves, any choice will do
+        return candidates[0]
     specs = call.specs
     return min(candidates, key=lambda s: (redistribute_cost(specs, s.inputs), -_sharded_outputs(s)))
 
@@ -296,6 +394,16 @@ def _finish_plan(call: OpCall, choice: Sharding) -> Plan:
     redistributes = any(t is not None and t != s.placements for s, t in zip(specs, choice.inputs))
     local_args = _resolve_local_args(choice.local_args, output_specs)
     random = random_ops.is_random(op)
+    if mesh.get_coordinate() is None:  # off the mesh: no shard to compute on, default outputs as torch
+        return Plan(
+            input_placements=(None,) * len(specs),
+            output_specs=output_specs,
+            redistributes=False,
+            random=False,
+            returns=_returns(op, call),
+            local_impl=_off_mesh_outputs,
+            plain=False,
+        )
     return Plan(
         input_placements=tuple(choice.inputs),
         output_specs=output_specs,
@@ -311,14 +419,28 @@ def _finish_plan(call: OpCall, choice: Sharding) -> Plan:
     )
 
 
+def _off_mesh_outputs(local_args: list, local_kwargs: dict, input_specs: tuple, output_specs: tuple) -> Any:
+    """What an op gives on a rank outside its mesh: empty shards, and zero for 0-d outputs (as torch)."""
+    outs = [
+        None
+        if spec is None
+        else torch.zeros((), dtype=spec.dtype)
+        if spec.ndim == 0
+        else torch.empty(0, dtype=spec.dtype, device=spec.mesh.device_type)
+        for spec in output_specs
+    ]
+    return outs[0] if len(outs) == 1 else tuple(outs)
+
+
 def _resolve_local_args(local_args: tuple | None, output_specs: tuple) -> tuple | None:
-    """Sharding.local_args with LOCAL_SHAPE replaced by this rank's shape of output 0 (per-rank plan)."""
+    """Sharding.local_args with LOCAL_SHAPE / LOCAL_STRIDE made this rank's shape / strides of output 0."""
     if local_args is None:
         return None
-    if not any(a is LOCAL_SHAPE for a in local_args):
+    if not any(a is LOCAL_SHAPE or a is LOCAL_STRIDE for a in local_args):
         return tuple(local_args)
     local_shape = list(output_specs[0].local_shape_and_offset()[0])
-    return tuple(local_shape if a is LOCAL_SHAPE else a for a in local_args)
+    local_stride = list(dense_stride_like(output_specs[0].stride, local_shape))
+    return tuple(local_shape if a is LOCAL_SHAPE else local_stride if a is LOCAL_STRIDE else a for a in local_args)
 
 
 def _local_call(op: OpOverload, plan: Plan, local_args: list) -> tuple[OpOverload, list]:
@@ -341,9 +463,9 @@ def _output_metas(call: OpCall, input_specs: list[DTensorSpec]) -> list[TensorMe
         if isinstance(a, DTensorSpec):
             spec = next(it)
             return torch.empty_strided(spec.shape, spec.stride, dtype=spec.dtype, device="meta")
-        if isinstance(a, tuple) and a and a[0] == "scalar_tensor":
-            return torch.zeros((), dtype=a[1], device="meta")
-        if isinstance(a, tuple) and any(isinstance(x, (DTensorSpec, tuple)) for x in a):
+        if isinstance(a, ScalarTensor):
+            return torch.zeros((), dtype=a.dtype, device="meta")
+        if isinstance(a, tuple) and any(isinstance(x, (DTensorSpec, ScalarTensor)) for x in a):
             return [to_meta(x) for x in a]
         return a
 
@@ -356,16 +478,22 @@ def _output_metas(call: OpCall, input_specs: list[DTensorSpec]) -> list[TensorMe
     return [TensorMeta(o.shape, tuple(o.stride()), o.dtype) if isinstance(o, torch.Tensor) else None for o in leaves]
 
 
-def _check_same_mesh(op: OpOverload, specs: list[DTensorSpec]) -> None:
+def _check_same_mesh(op: OpOverload, call: OpCall) -> list[list[int]] | None:
+    """None when every DTensor input shares one mesh. A foreach op may pair up list items on several
+    meshes: its list indices grouped by mesh (foreach.mesh_groups). Any other op raises."""
+    specs = call.specs
     if not specs:
         raise AssertionError(f"{op} reached DTensor dispatch without DTensor inputs")
     mesh = specs[0].mesh
     for s in specs[1:]:
         if s.mesh != mesh:
+            if op in foreach_ops.FOREACH_OPS:
+                return foreach_ops.mesh_groups(call)
             raise ValueError(
                 f"{op}: DTensor inputs live on different meshes ({mesh} and {s.mesh}); "
                 f"redistribute them onto one mesh first"
             )
+    return None
 
 
 def _check_mutation(op: OpOverload, call: OpCall, specs, choice: Sharding, output_specs) -> None:
@@ -406,12 +534,24 @@ def _fallback_plan(op: OpOverload, call: OpCall) -> Plan:
 def plain_tensors_as_replicate(ops: frozenset[OpOverload]) -> Iterator[None]:
     """Within the context, plain tensor args of `ops` count as Replicate DTensors on the mesh of
     the op's first DTensor arg, instead of raising (torch's loss_parallel takes plain targets so)."""
-    global _plain_as_replicate
-    previous, _plain_as_replicate = _plain_as_replicate, _plain_as_replicate | ops
+    previous = OPTIONS.plain_as_replicate
+    OPTIONS.plain_as_replicate = previous | ops
     try:
         yield
     finally:
-        _plain_as_replicate = previous
+        OPTIONS.plain_as_replicate = previous
+
+
+@contextmanager
+def implicit_replication() -> Iterator[None]:
+    """Within the context, every plain tensor mixed with DTensors counts as Replicate (torch's
+    `torch.distributed.tensor.experimental.implicit_replication`)."""
+    previous = OPTIONS.implicit_replication
+    OPTIONS.implicit_replication = True
+    try:
+        yield
+    finally:
+        OPTIONS.implicit_replication = previous
 
 
 @contextmanager

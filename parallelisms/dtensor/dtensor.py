@@ -8,6 +8,8 @@ global tensor. Every aten op on it goes through `dispatch.dispatch`.
 
 from __future__ import annotations
 
+import inspect
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -15,9 +17,9 @@ import torch
 import torch.nn as nn
 
 from . import collectives
-from .device_mesh import DeviceMesh
-from .placements import Partial, Placement, Replicate, Shard, normalize_placements, partition_divisor
-from .redistribute import Redistribute, check_target, redistribute_local
+from .device_mesh import DeviceMesh, current_mesh
+from .placements import Partial, Placement, Replicate, Shard, normalize_placements
+from .redistribute import Redistribute, check_target, conform_layout, partition_value, redistribute_local
 from .spec import DTensorSpec, TensorMeta
 
 
@@ -35,6 +37,7 @@ class DTensor(torch.Tensor):
             cls,
             meta.shape,
             strides=meta.stride,
+            storage_offset=local_tensor.storage_offset(),  # as torch: views of shards report the shard's
             dtype=local_tensor.dtype,
             device=local_tensor.device,
             layout=local_tensor.layout,
@@ -67,6 +70,17 @@ class DTensor(torch.Tensor):
         meta = TensorMeta(torch.Size(outer_size), tuple(outer_stride), local.dtype)
         return DTensor(local, DTensorSpec(spec.mesh, spec.placements, meta), requires_grad=local.requires_grad)
 
+    def __reduce_ex__(self, protocol: Any) -> tuple:
+        """Pickle / torch.save as (shard, mesh, placements, global shape and stride).
+
+        A wrapper subclass has no storage of its own for Tensor's pickling to save, so the shard goes
+        as a plain tensor; the mesh pickles without its process groups and reattaches on load
+        (DeviceMesh.__reduce__), and the spec is rebuilt there, as its cached hash is per-process.
+        """
+        spec, local = self._spec, self._local_tensor
+        args = (local.detach(), local.requires_grad, spec.mesh, spec.placements, tuple(spec.shape), spec.stride)
+        return (_rebuild_dtensor, (*args, self.requires_grad, dict(self.__dict__)))
+
     # ------------------------------------------------------------------------------ public API
     @property
     def placements(self) -> tuple[Placement, ...]:
@@ -98,8 +112,10 @@ class DTensor(torch.Tensor):
         mesh = device_mesh or _require_mesh("from_local")
         placements = normalize_placements(placements or [Replicate()] * mesh.ndim, local_tensor.ndim, mesh.ndim)
         spec = _spec_from_local(local_tensor, mesh, placements, shape, stride)
-        if run_check:
-            local_tensor = _check_and_sync_local(local_tensor, spec)
+        if mesh.get_coordinate() is None:  # off the mesh: an empty shard, as torch
+            local_tensor = local_tensor.new_empty(0).requires_grad_(local_tensor.requires_grad)
+        elif run_check:
+            local_tensor = _check_and_sync_local(local_tensor, spec, given_shape=shape is not None)
         if torch.is_grad_enabled() and local_tensor.requires_grad:
             grads = _grad_placements(grad_placements, placements, local_tensor.ndim, mesh.ndim)
             return _FromLocal.apply(local_tensor, spec, grads)
@@ -149,6 +165,23 @@ class DTensor(torch.Tensor):
         return replicated.to_local(grad_placements=grad_placements)
 
 
+def _rebuild_dtensor(
+    local: torch.Tensor,
+    local_requires_grad: bool,
+    mesh: DeviceMesh,
+    placements: tuple[Placement, ...],
+    shape: tuple[int, ...],
+    stride: tuple[int, ...],
+    requires_grad: bool,
+    state: dict[str, Any],
+) -> DTensor:
+    """Unpickle a DTensor (see DTensor.__reduce_ex__)."""
+    spec = DTensorSpec(mesh, placements, TensorMeta(torch.Size(shape), stride, local.dtype))
+    out = DTensor(local.requires_grad_(local_requires_grad), spec, requires_grad=requires_grad)
+    out.__dict__.update(state)
+    return out
+
+
 def _dispatch(func, args, kwargs):
     from .dispatch import dispatch  # dispatch imports this module; bind late
 
@@ -196,12 +229,18 @@ class _ToLocal(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[DTensor, None]:
         spec: DTensorSpec = ctx.spec
-        meta = TensorMeta(spec.shape, spec.stride, grad.dtype)
-        return DTensor(grad, DTensorSpec(spec.mesh, ctx.grad_placements, meta)), None
+        grad_spec = DTensorSpec(spec.mesh, ctx.grad_placements, TensorMeta(spec.shape, spec.stride, grad.dtype))
+        return DTensor(conform_layout(grad, grad_spec), grad_spec), None
 
 
 def _require_mesh(what: str) -> DeviceMesh:
-    raise ValueError(f"{what} needs a device_mesh; build one with init_device_mesh(...)")
+    """The mesh of the innermost `with mesh:` block, for calls given no device_mesh (as torch)."""
+    mesh = current_mesh()
+    if mesh is None:
+        raise ValueError(
+            f"{what} needs a device_mesh; pass one built with init_device_mesh(...), or call it inside `with mesh:`"
+        )
+    return mesh
 
 
 def _spec_from_local(
@@ -237,31 +276,37 @@ def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-def _check_and_sync_local(local: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
-    """from_local(run_check=True): every rank checks every rank's shard, then replicas are synced.
+def _check_and_sync_local(local: torch.Tensor, spec: DTensorSpec, *, given_shape: bool) -> torch.Tensor:
+    """from_local(run_check=True): every rank checks every rank's metadata, then replicas are synced.
 
-    Facts are gathered along each mesh dim in turn (gathering what the previous dims gathered), so
-    every rank ends up with every mesh rank's facts and raises the same error instead of leaving
-    some ranks hanging in the next collective.
+    Checked, as torch: dtype and requires_grad everywhere; without `shape=`, the local shape and
+    strides too (even shards look alike on every rank); with it, that each rank's shard has the
+    shape the placements give it. Facts are gathered along each mesh dim in turn (gathering what the
+    previous dims gathered), so every rank ends up with every mesh rank's facts and raises the same
+    error instead of leaving some ranks hanging in the next collective.
     """
     mesh = spec.mesh
     expected, _ = spec.local_shape_and_offset()
-    facts = [(mesh.get_rank(), tuple(local.shape), str(local.dtype), tuple(spec.shape), expected)]
+    mine = (str(local.dtype), local.requires_grad, tuple(spec.shape), () if given_shape else tuple(local.stride()))
+    facts = [(mesh.get_rank(), tuple(local.shape), mine, expected)]
     for m in range(mesh.ndim):
         gathered = collectives.all_gather_object(facts, mesh.get_group(m))
         facts = [f for part in gathered for f in cast(list, part)]
     facts.sort()
     first = facts[0]
-    for rank, local_shape, dtype, global_shape, want in facts:
-        if dtype != first[2] or global_shape != first[3]:
+    names = ("dtype", "requires_grad", "global shape", "stride")
+    for rank, local_shape, meta, want in facts:
+        if meta != first[2]:
+            diff = ", ".join(f"{n} {a} vs {b}" for n, a, b in zip(names, meta, first[2]) if a != b)
             raise ValueError(
-                f"from_local: rank {rank} has dtype {dtype} and global shape {global_shape}, rank "
-                f"{first[0]} has {first[2]} and {first[3]}; uneven shards need shape=/stride= of the global tensor"
+                f"from_local: inconsistent tensor metadata across ranks: rank {rank} vs rank {first[0]}: {diff}; "
+                f"every rank must pass the same dtype and requires_grad, and uneven shards need shape=/stride= "
+                f"of the global tensor"
             )
         if local_shape != want:
             raise ValueError(
                 f"from_local: rank {rank} holds a shard of shape {local_shape} but placements "
-                f"{[str(p) for p in spec.placements]} of global shape {global_shape} give it {want}"
+                f"{[str(p) for p in spec.placements]} of global shape {tuple(spec.shape)} give it {want}"
             )
     for m, p in enumerate(spec.placements):
         if isinstance(p, Replicate):
@@ -288,21 +333,40 @@ def distribute_tensor(
     (no communication; the copies must agree).
     """
     mesh = device_mesh or _require_mesh("distribute_tensor")
-    if isinstance(tensor, DTensor):
-        raise ValueError("distribute_tensor got a DTensor; call .redistribute(...) on it instead")
     placements = normalize_placements(placements or [Replicate()] * mesh.ndim, tensor.ndim, mesh.ndim)
+    if isinstance(tensor, DTensor):
+        return _already_distributed(tensor, mesh, placements)
     spec = DTensorSpec(mesh, placements, TensorMeta(tensor.shape, tuple(tensor.stride()), tensor.dtype))
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:  # not on the mesh: an empty shard, as torch
+        return DTensor(tensor.new_empty(0, device=mesh.device_type), spec, requires_grad=tensor.requires_grad)
+    if tensor.is_meta:  # meta-device init: no data to scatter, only this rank's shard shape
+        local_shape, _ = spec.local_shape_and_offset()
+        local = tensor.new_empty(local_shape)
+        return DTensor(local.requires_grad_(tensor.requires_grad), spec, requires_grad=tensor.requires_grad)
     if tensor.device.type != mesh.device_type:
         tensor = tensor.to(mesh.device_type)
     local = tensor.detach()
-    coordinate = mesh.get_coordinate()
-    if coordinate is None:
-        return DTensor(local.new_empty(0), spec, requires_grad=tensor.requires_grad)
     for m, p in enumerate(placements):
         local = _distribute_on_mesh_dim(local, mesh, m, coordinate[m], p, src_data_rank)
     if local is tensor or local._base is tensor or local.data_ptr() == tensor.data_ptr():
         local = local.clone()  # the DTensor owns its shard; never alias the caller's tensor
     return DTensor(local.requires_grad_(tensor.requires_grad), spec, requires_grad=tensor.requires_grad)
+
+
+def _already_distributed(tensor: DTensor, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> DTensor:
+    """distribute_tensor of a DTensor: itself when mesh and placements match (as torch), else an error."""
+    if tensor.device_mesh != mesh:
+        raise ValueError(
+            f"Cannot distribute a DTensor with device mesh {tensor.device_mesh} to a different device mesh "
+            f"{mesh}; use to_local() and from_local() on the new mesh"
+        )
+    if tensor.placements != placements:
+        raise ValueError(
+            f"Cannot distribute a DTensor with placements {tensor.placements} to a different placements "
+            f"{placements}; call tensor.redistribute(placements=...) instead"
+        )
+    return tensor
 
 
 def _distribute_on_mesh_dim(
@@ -317,8 +381,8 @@ def _distribute_on_mesh_dim(
         return collectives.scatter_chunks(local, p.dim, mesh.get_group(m), index, src)
     if src is not None and n > 1:
         local = collectives.broadcast(local.contiguous().clone(), mesh.get_group(m), src)
-    if isinstance(p, Partial) and partition_divisor(p.reduce_op, n) != 1:
-        local = local / partition_divisor(p.reduce_op, n)
+    if isinstance(p, Partial):
+        local = partition_value(local, p.reduce_op, n, index)
     return local
 
 
@@ -347,17 +411,42 @@ def distribute_module(
     """
     mesh = device_mesh or _require_mesh("distribute_module")
     if getattr(module, "_distribute_module_applied", False):
-        raise RuntimeError(f"distribute_module was already applied to {type(module).__name__}; apply it once")
-    for name, submodule in module.named_modules():
+        raise RuntimeError(
+            f"distribute_module should only be called once on a module, but it was already applied to "
+            f"{type(module).__name__}"
+        )
+    for name, submodule in list(module.named_modules()):
         if partition_fn is not None:
             partition_fn(name, submodule, mesh)
         _replicate_params_and_buffers(submodule, mesh)
     if input_fn is not None:
-        module.register_forward_pre_hook(lambda mod, inputs: input_fn(mod, inputs, mesh))
+        if _legacy_hook(input_fn, "input_fn", "inputs"):
+            module.register_forward_pre_hook(lambda mod, inputs: input_fn(inputs, mesh))  # type: ignore[call-arg]
+        else:
+            module.register_forward_pre_hook(lambda mod, inputs: input_fn(mod, inputs, mesh))
     if output_fn is not None:
-        module.register_forward_hook(lambda mod, inputs, outputs: output_fn(mod, outputs, mesh))
+        if _legacy_hook(output_fn, "output_fn", "outputs"):
+            module.register_forward_hook(lambda mod, inputs, outputs: output_fn(outputs, mesh))  # type: ignore[call-arg]
+        else:
+            module.register_forward_hook(lambda mod, inputs, outputs: output_fn(mod, outputs, mesh))
     module._distribute_module_applied = True  # type: ignore[assignment]
     return module
+
+
+def _legacy_hook(fn: Callable, what: str, values: str) -> bool:
+    """Whether `fn` has the old two-argument signature ({values}, device_mesh): warns, as torch."""
+    n = len(inspect.signature(fn).parameters)
+    if n == 2:
+        warnings.warn(
+            f"Deprecating {what} that takes two arguments ({values}, device_mesh), please use {what} that "
+            f"takes in (module, {values}, device_mesh) instead!",
+            FutureWarning,
+            stacklevel=3,
+        )
+        return True
+    if n != 3:
+        raise ValueError(f"{what} should take in 3 arguments (module, {values}, device_mesh), but got {n} arguments!")
+    return False
 
 
 def _replicate_params_and_buffers(module: nn.Module, mesh: DeviceMesh) -> None:

@@ -15,7 +15,7 @@ from functools import partial
 
 import torch
 
-from .device_mesh import DeviceMesh
+from .device_mesh import DeviceMesh, current_mesh
 from .dtensor import DTensor, _contiguous_stride
 from .placements import Placement, Replicate, normalize_placements
 from .spec import DTensorSpec, TensorMeta
@@ -40,13 +40,21 @@ def _build(
     placements: Sequence[Placement] | None,
 ) -> DTensor:
     if device_mesh is None:
-        raise ValueError("DTensor factories need device_mesh=; build one with init_device_mesh(...)")
+        device_mesh = current_mesh()
+    if device_mesh is None:
+        raise ValueError(
+            "DTensor factories need device_mesh=; pass one built with init_device_mesh(...), or call them "
+            "inside `with mesh:`"
+        )
     shape = _size(size)
     dtype = dtype or torch.get_default_dtype()
     placements = normalize_placements(placements or [Replicate()] * device_mesh.ndim, len(shape), device_mesh.ndim)
     spec = DTensorSpec(device_mesh, placements, TensorMeta(torch.Size(shape), _contiguous_stride(shape), dtype))
     local_shape, offset = spec.local_shape_and_offset()
-    local = fill(local_shape, offset, dtype, torch.device(device_mesh.device_type), shape)
+    if device_mesh.get_coordinate() is None:  # off the mesh: an empty shard, as torch
+        local = torch.empty(0, dtype=dtype, device=device_mesh.device_type)
+    else:
+        local = fill(local_shape, offset, dtype, torch.device(device_mesh.device_type), shape)
     return DTensor(local.requires_grad_(requires_grad), spec, requires_grad=requires_grad)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-REDUCE_OPS = ("sum", "avg", "min", "max")  # plus "norm<p>" (p-norm partials, see norm_order)
+REDUCE_OPS = ("sum", "avg", "prod", "min", "max")  # plus "norm<p>" (p-norm partials, see norm_order)
 
 
 class Placement:
@@ -107,7 +107,10 @@ def norm_reduce_op(p: float) -> str:
 
 
 def partition_divisor(reduce_op: str, num_chunks: int) -> float:
-    """R -> P: each rank keeps value / divisor so that reducing the pieces gives the value back."""
+    """R -> P: each rank keeps value / divisor so that reducing the pieces gives the value back.
+
+    ("prod" has no divisor: the first rank keeps the value and the others hold ones, see
+    redistribute.partition_value.)"""
     if reduce_op == "sum":
         return float(num_chunks)
     p = norm_order(reduce_op)

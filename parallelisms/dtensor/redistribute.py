@@ -39,7 +39,7 @@ from .placements import (
     logical_shape_before,
     partition_divisor,
 )
-from .spec import DTensorSpec
+from .spec import DTensorSpec, dense_stride_like, is_dense, stride_order
 
 if TYPE_CHECKING:
     from .dtensor import DTensor  # dtensor.py imports this module
@@ -138,7 +138,35 @@ def redistribute_local(
         return local
     for step in plan_transitions(src, dst_placements):
         local = run_transition(local, step, mesh, coordinate[step.mesh_dim], is_backward=is_backward)
-    return local
+    return conform_layout(local, src)
+
+
+def conform_layout(local: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
+    """`local`, copied into the dim order of `spec`'s global strides if it is laid out otherwise.
+
+    Collectives return contiguous shards; a DTensor whose global strides say "transposed" must not
+    hold one, or reshape/view decompositions would take a path its shard cannot follow. The global
+    strides stay as they are because every rank has the same ones (they pick the decomposition, and
+    so the collectives); the shard moves. Free for the common case, contiguous everywhere.
+    """
+    if local.is_contiguous() and _is_contiguous_stride(spec.shape, spec.stride):
+        return local
+    if local.numel() == 0 or local.ndim != spec.ndim or not is_dense(spec.shape, spec.stride):
+        return local  # a strided (expanded, sliced) global view has no dense order to follow
+    want = dense_stride_like(spec.stride, local.shape)
+    if stride_order(local.shape, local.stride()) == stride_order(local.shape, want):
+        return local
+    return torch.empty_strided(local.shape, want, dtype=local.dtype, device=local.device).copy_(local)
+
+
+@lru_cache(maxsize=4096)
+def _is_contiguous_stride(shape: torch.Size, stride: tuple[int, ...]) -> bool:
+    expected = 1
+    for size, st in zip(reversed(shape), reversed(stride)):
+        if size != 1 and st != expected:
+            return False
+        expected *= size
+    return True
 
 
 def run_transition(
@@ -169,8 +197,7 @@ def run_transition(
         if isinstance(src, Replicate):
             if is_backward:  # a replicated grad stays replicated: partitioning it would only add a reduce
                 return local
-            divisor = partition_divisor(dst.reduce_op, n)
-            return local / divisor if divisor != 1 else local
+            return partition_value(local, dst.reduce_op, n, index)
         if isinstance(src, Partial):
             raise ValueError(
                 f"cannot redistribute {src} to {dst} on mesh dim {m}: reduce ops differ; go through Replicate()"
@@ -179,6 +206,14 @@ def run_transition(
         f"cannot redistribute {src} to {dst} on mesh dim {m}: only a Replicate tensor can become Partial; "
         f"redistribute to Replicate() first"
     )
+
+
+def partition_value(local: torch.Tensor, reduce_op: str, n: int, index: int) -> torch.Tensor:
+    """R -> P on a group of `n`: this rank's piece, so that reducing the pieces gives `local` back."""
+    if reduce_op == "prod":  # the first rank keeps the value, the others the identity of *
+        return local if index == 0 else torch.ones_like(local)
+    divisor = partition_divisor(reduce_op, n)
+    return local / divisor if divisor != 1 else local
 
 
 def check_target(src: DTensorSpec, dst_placements: tuple[Placement, ...]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -92,3 +93,26 @@ class DTensorSpec:
 
     def __str__(self) -> str:
         return f"Spec({'|'.join(map(str, self.placements))} on {tuple(self.shape)})"
+
+
+def stride_order(shape: Sequence[int], stride: Sequence[int]) -> tuple[int, ...]:
+    """The dims of size > 1 from outermost to innermost in memory (ties keep dim order)."""
+    dims = [d for d in range(len(shape)) if shape[d] > 1]
+    return tuple(sorted(dims, key=lambda d: -stride[d]))
+
+
+def dense_stride_like(stride: Sequence[int], shape: Sequence[int]) -> tuple[int, ...]:
+    """Dense strides of `shape` laid out in the dim order of `stride` (a shard of a dense tensor)."""
+    order = sorted(range(len(shape)), key=lambda d: (-stride[d], d))
+    out = [0] * len(shape)
+    acc = 1
+    for d in reversed(order):
+        out[d] = acc
+        acc *= max(shape[d], 1)
+    return tuple(out)
+
+
+def is_dense(shape: Sequence[int], stride: Sequence[int]) -> bool:
+    """Non-overlapping and dense: each dim's stride is the product of the sizes laid out inside it."""
+    dense = dense_stride_like(stride, shape)
+    return all(shape[d] <= 1 or stride[d] == dense[d] for d in range(len(shape)))

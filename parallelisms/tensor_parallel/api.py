@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
+import warnings
 
 import torch.nn as nn
 
@@ -20,7 +21,8 @@ def parallelize_module(
     """Shard `module` over a 1-D `device_mesh` following `parallelize_plan`.
 
     Plan keys are dotted submodule paths relative to `module`; each path component may be an
-    fnmatch pattern (`"layers.*.attention"`). A key that matches no submodule is an error.
+    fnmatch pattern (`"layers.*.attention"`). As torch, a key that matches no submodule, or no plan,
+    warns and is skipped (a typo in a key leaves that part unsharded: read the warning).
     """
     if device_mesh is None:
         raise ValueError("parallelize_module needs a device_mesh (the 1-D tensor-parallel mesh)")
@@ -29,7 +31,12 @@ def parallelize_module(
             f"parallelize_module needs a 1-D mesh, got {device_mesh.ndim}-D {device_mesh.mesh_dim_names}; "
             f"pass the tensor-parallel submesh, e.g. world_mesh['tp']"
         )
-    if parallelize_plan is None:
+    if not parallelize_plan:  # None or {}
+        warnings.warn(
+            "parallelize_module got no parallelize_plan, so this call does nothing; pass a ParallelStyle "
+            "or a dict {submodule path: ParallelStyle}",
+            stacklevel=2,
+        )
         return module
     if isinstance(parallelize_plan, ParallelStyle):
         parallelize_plan.src_data_rank = src_data_rank
@@ -42,8 +49,10 @@ def parallelize_module(
         matches = _match(module, path)
         if not matches:
             children = [name for name, _ in module.named_modules() if name][:20]
-            raise ValueError(
-                f"plan key {path!r} matches no submodule of {type(module).__name__}; submodules: {children}"
+            warnings.warn(
+                f"parallelize_plan key {path!r} matches no submodule of {type(module).__name__}, skipping it; "
+                f"submodules: {children}",
+                stacklevel=2,
             )
         for submodule in matches:
             parallelize_module(submodule, device_mesh, style, src_data_rank=src_data_rank)

@@ -32,7 +32,7 @@ import torch
 
 from parallelisms.dtensor import DeviceMesh, DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
 from parallelisms.dtensor.debug import CommDebugMode
-from parallelisms.dtensor.spec import DTensorSpec, TensorMeta
+from parallelisms.dtensor.spec import DTensorSpec, TensorMeta, dense_stride_like, is_dense, stride_order
 from tests.world import run_world
 
 # (mesh shape, world size) of the standard sweep: 1-D even and uneven, and nested 2-D sharding
@@ -128,6 +128,8 @@ def check_op(
             out = fn(*d_inputs)
             leaves = _flat_tensors(out)
             assert len(leaves) == len(ref_leaves), f"{len(leaves)} outputs, expected {len(ref_leaves)}"
+            for i, o in enumerate(leaves):
+                assert_layout_agrees(o, f"output {i}")
             fulls = [_full(o) for o in leaves]
             for got, want in zip(fulls, ref_leaves):
                 torch.testing.assert_close(got, want.detach(), atol=atol, rtol=rtol)
@@ -140,10 +142,27 @@ def check_op(
                     if want is None:
                         continue
                     assert g is not None, "missing gradient"
+                    assert_layout_agrees(g, "gradient")
                     torch.testing.assert_close(_full(g), want, atol=atol, rtol=rtol)
         except Exception as e:
             raise AssertionError(f"{getattr(fn, '__name__', fn)} failed for {what}: {type(e).__name__}: {e}") from e
     return len(combos)
+
+
+def assert_layout_agrees(t: torch.Tensor, what: str) -> None:
+    """A DTensor's reported strides must lay its dims out in the order its shard's strides do, so
+    that reshape/view decompositions take the path on the shard that they take on one device."""
+    if not isinstance(t, DTensor):
+        return
+    local = t._local_tensor
+    if local.numel() == 0 or local.ndim != t.ndim or not is_dense(t.shape, t.stride()):
+        return
+    want = stride_order(local.shape, dense_stride_like(t.stride(), local.shape))
+    got = stride_order(local.shape, local.stride())
+    assert got == want, (
+        f"{what}: DTensor strides {t.stride()} (shape {tuple(t.shape)}) disagree with its shard's "
+        f"{local.stride()} (shape {tuple(local.shape)})"
+    )
 
 
 def placements_and_collectives(

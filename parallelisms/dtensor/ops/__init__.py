@@ -5,6 +5,7 @@ from . import (  # noqa: F401  (importing registers the rules)
     embedding,
     foreach,
     indexing,
+    linalg,
     loss,
     matmul,
     norms,
@@ -12,6 +13,7 @@ from . import (  # noqa: F401  (importing registers the rules)
     random,
     reductions,
     tensor_ops,
+    upsample,
     views,
 )
 from .registry import RULES, OpCall, Sharding, register, rule_file_for  # noqa: F401

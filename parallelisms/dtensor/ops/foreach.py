@@ -15,6 +15,10 @@ Norms of sharded tensors are reductions whose pieces combine without moving the 
 
 P(norm<p>) is reduced by all_reduce(sum) of x**p and a p-th root (collectives.py), so
 clip_grad_norm_ over sharded grads moves one scalar per norm instead of the gradients.
+
+Lists may hold DTensors of several meshes (parameters of pipeline stages, or of an FSDP and a TP
+mesh): the dispatcher then runs the op once per mesh on the indices of that mesh (`run_per_mesh`),
+so each index's result lives on its own index's mesh.
 """
 
 from __future__ import annotations
@@ -278,6 +282,65 @@ def _norm_candidates(call: OpCall, base: str, i: int) -> list[Candidate]:
         ord = call.args[1] if len(call.args) > 1 else call.kwargs.get("ord", 2)
         return vector_norm_candidates(spec, ord, None, False)
     return [(out, (inp,)) for inp, out in raw]
+
+
+# --------------------------------------------------------------------------------------------------
+# lists over several meshes: one call per mesh
+# --------------------------------------------------------------------------------------------------
+
+
+def mesh_groups(call: OpCall) -> list[list[int]]:
+    """List indices grouped by the mesh of their tensors (in first-seen order), for a foreach call
+    whose lists hold DTensors on several meshes (clip_grad_norm_ over parameters of several meshes).
+
+    Each index pairs up its own tensors, which must share a mesh; a tensor shared by every index
+    cannot follow them onto several meshes.
+    """
+    mesh_of: dict[int, Any] = {}
+    for arg, index, value in _slots(call):
+        if not isinstance(value, DTensorSpec):
+            continue
+        if index is None:
+            raise ValueError(
+                f"{call.op}: its DTensors live on several meshes, so each list index runs on its own mesh, but "
+                f"{arg.name} is one DTensor shared by every index; pass a Python number or a plain 0-d tensor"
+            )
+        if mesh_of.setdefault(index, value.mesh) != value.mesh:
+            raise ValueError(
+                f"{call.op}: list index {index} pairs DTensors on different meshes ({mesh_of[index]} and "
+                f"{value.mesh}); move them onto one mesh first"
+            )
+    groups: dict[Any, list[int]] = {}
+    for index in sorted(mesh_of):
+        groups.setdefault(mesh_of[index], []).append(index)
+    return list(groups.values())
+
+
+def run_per_mesh(op: OpOverload, groups: list[list[int]], *args: Any, **kwargs: Any) -> Any:
+    """`op` once per group of list indices (each on one mesh); outputs back in list order."""
+    schema = op._schema
+    length = sum(map(len, groups))
+    per_index = {a.name for a in schema.arguments if isinstance(a.type, torch.ListType)}
+    names = [a.name for a in schema.arguments]
+
+    def pick(name: str, value: Any, indices: list[int]) -> Any:
+        if name in per_index and isinstance(value, (list, tuple)) and len(value) == length:
+            return [value[i] for i in indices]
+        return value  # a shared arg, or an empty optional list (AdamW's max_exp_avg_sqs without amsgrad)
+
+    results = []
+    for indices in groups:
+        sub_args = [pick(n, v, indices) for n, v in zip(names, args)]
+        out = op(*sub_args, **{k: pick(k, v, indices) for k, v in kwargs.items()})
+        results.append((indices, out))
+    if not schema.returns:
+        return None
+    merged: list[list[Any]] = [[None] * length for _ in schema.returns]
+    for indices, out in results:
+        for column, values in zip(merged, (out,) if len(schema.returns) == 1 else out):
+            for i, v in zip(indices, values):
+                column[i] = v
+    return merged[0] if len(schema.returns) == 1 else tuple(merged)
 
 
 def discover_foreach_ops() -> list[OpOverload]:

@@ -23,6 +23,7 @@ and out= forms only get candidates whose output placements are those of the tens
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -292,12 +293,8 @@ def named_flat(call: OpCall) -> Iterator[tuple[Any, Any]]:
     schema_args = call.op._schema.arguments
     by_name = {a.name: a for a in schema_args}
     for arg, value in [*zip(schema_args, call.args), *((by_name[k], v) for k, v in call.kwargs.items())]:
-        for v in value if isinstance(value, (list, tuple)) and not _is_scalar_tensor(value) else (value,):
+        for v in value if isinstance(value, (list, tuple)) else (value,):
             yield arg, v
-
-
-def _is_scalar_tensor(v: Any) -> bool:
-    return isinstance(v, tuple) and bool(v) and v[0] == "scalar_tensor"
 
 
 def num_tensor_outputs(op: OpOverload) -> int:
@@ -316,6 +313,8 @@ def fresh_fill(call: OpCall) -> Sharding:
 def pointwise_rule(call: OpCall) -> list[Sharding]:
     """Any elementwise op: the table in the module docstring."""
     base = base_name(call.op)
+    if base == "fill" and call.specs[0].has_partial():
+        return [fill_partial(call)]
     static: dict[str, Any] = {}
     inputs, names, written, roles = [], [], [], []
     for arg, value in named_flat(call):
@@ -348,6 +347,49 @@ def pointwise_rule(call: OpCall) -> list[Sharding]:
         per_spec = tuple(None if role == "out" else _unless_keep(role, next(it)) for role in roles)
         shardings.append(Sharding(per_spec, (output,) * num_outputs))
     return shardings
+
+
+def fill_partial(call: OpCall) -> Sharding:
+    """fill_(self, v) into a Partial self keeps its placements. Per mesh dim where self is P(r):
+
+        v P(r) (a DTensor)        each rank fills its piece of v: the pieces reduce to v
+        r in avg, max, min        every rank writes v (an average or max of copies of v is v)
+        r = sum, or a p-norm      the first rank (coordinate 0) writes v, the others 0: the pieces
+                                  reduce to v (torch 2.13 writes v everywhere: n * v). A p-norm
+                                  needs a Python v >= 0 (a norm of pieces is never negative).
+
+    Anything else (P(prod); a tensor v into a p-norm) is refused.
+    """
+    self, value = call.args[0], call.args[1]
+    required: list[Placement] = []
+    first_rank: list[int] = []
+    for m, p in enumerate(self.placements):
+        vp = value.placements[m] if isinstance(value, DTensorSpec) else Replicate()
+        if not isinstance(p, Partial) or p == vp or p.reduce_op in ("avg", *ORDER_OPS) or is_zero(value):
+            required.append(vp if p == vp else Replicate())
+            continue
+        required.append(Replicate())
+        norm_ok = p.reduce_op.startswith("norm") and isinstance(value, (int, float)) and value >= 0
+        if p.reduce_op != "sum" and not norm_ok:
+            raise RuntimeError(
+                f"{call.op} cannot write {value} into pieces of a {p} DTensor (placements "
+                f"{placements_str(self.placements)}); redistribute it to Replicate first"
+            )
+        first_rank.append(m)
+    inputs = (None, tuple(required)) if isinstance(value, DTensorSpec) else (None,)
+    if not first_rank:
+        return Sharding(inputs, (self.placements,))
+    fill = functools.partial(_fill_on_first_rank, call.op, tuple(first_rank))
+    return Sharding(inputs, (self.placements,), local_impl=fill)
+
+
+def _fill_on_first_rank(op: OpOverload, mesh_dims: tuple[int, ...], local_args: list, local_kwargs: dict,
+                        input_specs: tuple, output_specs: tuple) -> torch.Tensor:  # fmt: skip
+    """fill_ on the ranks at coordinate 0 of every one of `mesh_dims`; zero_ on the others."""
+    coordinate = input_specs[0].mesh.get_coordinate()
+    if coordinate is not None and all(coordinate[m] == 0 for m in mesh_dims):
+        return op(*local_args, **local_kwargs)
+    return aten.zero_.default(local_args[0])
 
 
 def _unless_keep(role: str, required: Placements) -> Placements | None:

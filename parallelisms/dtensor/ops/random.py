@@ -22,8 +22,9 @@ and runs the local op there; the fork restores the generator afterwards.
 
 Placements: random ops keep their input's placements, except that Partial becomes Replicate (a
 dropout of a partial sum is not the sum of dropouts; a fresh sample is not partial). `*_like` ops do
-not read their input, so it stays where it is. In-place fills (`uniform_`, `bernoulli_`, ...) of a
-Partial tensor are refused: the tensor cannot change placements in place.
+not read their input, so it stays where it is; multinomial keeps only row shards of its probabilities.
+In-place fills (`uniform_`, `bernoulli_`, ...) of a Partial tensor are refused: the tensor cannot
+change placements in place.
 """
 
 from __future__ import annotations
@@ -124,6 +125,16 @@ def random_like(call: OpCall) -> Sharding:
     first, *others = call.specs
     replicated = (Replicate(),) * call.mesh_ndim
     return Sharding((None, *(replicated for _ in others)), (_no_partial(first.placements),))
+
+
+@register(aten.multinomial.default)
+def multinomial(call: OpCall) -> Sharding:
+    """Rows of (B, n) probabilities draw independently: S(0) stays (samples (B, k) S(0), each shard
+    from its own stream); the categories must be whole and summed, so S(1) and Partial gather."""
+    (spec,) = call.specs
+    rows = spec.ndim == 2
+    placements = tuple(p if rows and isinstance(p, Shard) and p.dim == 0 else Replicate() for p in spec.placements)
+    return Sharding((placements,), (placements,))
 
 
 def _check_inplace(call: OpCall, spec: DTensorSpec) -> None:

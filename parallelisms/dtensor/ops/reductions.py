@@ -1,5 +1,5 @@
 """Sharding rules: the reduction family (sum, mean, amax/amin, max/min, var/std, all/any, argmax/argmin,
-prod, logsumexp) and the scans (cumsum, cumprod, logcumsumexp), written once from a small table.
+prod, logsumexp), the scans (cumsum, cumprod, logcumsumexp), written once from a small table, and histc.
 
 Per mesh dim, for a reduction `f` over dims D:
 
@@ -178,3 +178,18 @@ def reduction_rule(call: OpCall) -> list[Sharding]:
     return reduction_shardings(
         REDUCTIONS[call.op], spec.shape, spec.placements, spec.mesh.shape, dims, keepdim, num_outputs
     )
+
+
+HISTC = Reduction("sum")  # counts of pieces add up; a Partial input's pieces are not values to count
+
+
+@register(aten.histc.default)
+def histc_rule(call: OpCall) -> list[Sharding]:
+    """histc counts every element into `bins` fixed bins: a shard's counts are one term of the total,
+    S(d) -> P(sum). With min == max the bin range is the data's (global) min and max, which no
+    shard knows: gather first. Partial inputs are reduced first (counting is not linear)."""
+    (spec,) = call.specs
+    bound = dict(zip((a.name for a in call.op._schema.arguments), call.args)) | call.kwargs
+    kind = GATHER if bound.get("min", 0) == bound.get("max", 0) else HISTC
+    dims = tuple(range(spec.ndim))
+    return reduction_shardings(kind, spec.shape, spec.placements, spec.mesh.shape, dims, False, 1)

@@ -56,7 +56,8 @@ class Sharding:
     local_op / local_args: how to run the op on the local tensors when the global call would be wrong
         there (a size arg is global: `view(8, 4, 4)` of a (4, 16) shard). The local call is
         `(local_op or op)(*local_args, **kwargs)`; in `local_args` a DTensorSpec stands for the local
-        tensor of the DTensor arg at that same position and LOCAL_SHAPE for this rank's shape of output 0.
+        tensor of the DTensor arg at that same position, LOCAL_SHAPE for this rank's shape of output 0
+        and LOCAL_STRIDE for its strides.
         None (default): the op's own positional args.
     local_impl: a function run instead of the op on the local tensors, for ops whose local math
         differs from the global one (vocabulary-sharded embedding masks out-of-range ids). Called as
@@ -73,6 +74,14 @@ class Sharding:
     local_impl: LocalImpl | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class ScalarTensor:
+    """What a rule sees for a plain 0-d tensor arg (`x * torch.tensor(2.0)`): a replicated scalar."""
+
+    dtype: torch.dtype
+    device_type: str
+
+
 class LocalShape:
     """Sentinel type of LOCAL_SHAPE (see `Sharding.local_args`)."""
 
@@ -83,6 +92,19 @@ class LocalShape:
 
 
 LOCAL_SHAPE = LocalShape()
+
+
+class LocalStride:
+    """Sentinel type of LOCAL_STRIDE: dense strides of this rank's shape of output 0, in the dim
+    order of the output's global strides (`new_empty_strided` of a shard)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "LOCAL_STRIDE"
+
+
+LOCAL_STRIDE = LocalStride()
 
 
 Rule = Callable[[OpCall], "Sharding | list[Sharding]"]

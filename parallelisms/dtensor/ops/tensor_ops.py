@@ -1,5 +1,5 @@
-"""Rules for tensor ops: copies and casts, factories, cat/stack, tril/repeat/roll/flip, sort, and the
-`Row` helpers that these rules and the indexing family (indexing.py) are written with.
+"""Rules for tensor ops: copies and casts, factories, cat/stack, tril/repeat/roll/flip, constant_pad_nd,
+sort, and the `Row` helpers that these rules and the indexing family (indexing.py) are written with.
 
 Most rules here are written per mesh dim as a short list of `Row`s ("on one mesh dim: self S(d),
 index R -> out S(d)"); `expand` combines one row per mesh dim into whole-mesh candidates and drops
@@ -24,8 +24,8 @@ from typing import Any, NamedTuple
 import torch
 
 from ..placements import Partial, Placement, Replicate, Shard
-from ..spec import DTensorSpec
-from .registry import LOCAL_SHAPE, OpCall, Sharding, register
+from ..spec import DTensorSpec, is_dense
+from .registry import LOCAL_SHAPE, LOCAL_STRIDE, OpCall, Sharding, register
 
 aten = torch.ops.aten
 
@@ -196,9 +196,12 @@ def _cast_breaks(p: Partial, src: torch.dtype, dst: torch.dtype | None) -> bool:
 
 @register(aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default, aten.full_like.default)
 def like(call: OpCall) -> Sharding:
-    """A fresh tensor with the input's layout; a Partial input gives Replicate (values are not partial)."""
+    """A fresh tensor with the input's layout. A Partial input gives Replicate for ones/full (their
+    values are not partial) but stays Partial for empty/zeros, which any reduce op leaves as they
+    are (so `module.to_empty()` keeps every placement, as torch)."""
     spec = call.specs[0]
-    placements = tuple(R if isinstance(p, Partial) else p for p in spec.placements)
+    keeps_partial = call.op in (aten.empty_like.default, aten.zeros_like.default)
+    placements = tuple(R if isinstance(p, Partial) and not keeps_partial else p for p in spec.placements)
     return Sharding((None,) * len(call.specs), (placements,))
 
 
@@ -213,14 +216,21 @@ def new_factory(call: OpCall) -> list[Sharding]:
     """`x.new_zeros(size)` makes a new global tensor of `size`: Replicate, or x's shards when `size`
     is x's shape and x is not Partial (the local call then gets this rank's shape); x is not read.
 
-    new_empty_strided stays Replicate: its global strides mean nothing for a shard.
+    new_empty_strided keeps the shards only for dense strides: the shard gets dense strides of its
+    own shape in the same dim order (as torch), so the DTensor's strides agree with its shard's.
     """
     self, size = call.args[0], tuple(call.args[1])
     keep = (None,) * len(call.specs)
     options = [Sharding(keep, ((R,) * call.mesh_ndim,))]
-    if size == tuple(self.shape) and not self.has_partial() and call.op != aten.new_empty_strided.default:
-        local_args = (self, LOCAL_SHAPE, *call.args[2:])
-        options.append(Sharding(keep, (self.placements,), local_args=local_args))
+    if size != tuple(self.shape) or self.has_partial():
+        return options
+    if call.op is aten.new_empty_strided.default:
+        if is_dense(size, call.args[2]):
+            local_args = (self, LOCAL_SHAPE, LOCAL_STRIDE, *call.args[3:])
+            options.append(Sharding(keep, (self.placements,), local_args=local_args))
+        return options
+    local_args = (self, LOCAL_SHAPE, *call.args[2:])
+    options.append(Sharding(keep, (self.placements,), local_args=local_args))
     return options
 
 
@@ -308,7 +318,7 @@ def is_same_size(call: OpCall) -> list[Sharding]:
 
 
 # --------------------------------------------------------------------------------------------------
-# ops that act along some dims: tril/triu, repeat, roll, flip, sort, topk
+# ops that act along some dims: tril/triu, repeat, roll, flip, constant_pad_nd, sort, topk
 # --------------------------------------------------------------------------------------------------
 
 
@@ -338,6 +348,21 @@ def roll_flip(call: OpCall) -> list[Sharding]:
     flat_roll = not dims and call.op == aten.roll.default
     active = set(range(self.ndim)) if flat_roll else {norm_dim(d, self.ndim) for d in dims}
     return expand(call, same_dim_rows(call, self.ndim, ["self"], active))
+
+
+@register(aten.constant_pad_nd.default)
+def constant_pad_nd(call: OpCall) -> list[Sharding]:
+    """Dims the pad list leaves at (0, 0) keep their shards; a padded (or cropped) dim is gathered.
+
+    Padding writes v on every rank: P(avg|max|min) of copies of v is v, and P(sum) (or a p-norm)
+    only holds for v == 0; a crop (negative pads only) selects values, so every Partial passes.
+    """
+    self, pad = arg(call, "self"), arg(call, "pad")
+    value = arg(call, "value", 0)
+    padded = {self.ndim - 1 - i // 2 for i, p in enumerate(pad) if p != 0}
+    adds = any(p > 0 for p in pad) and not (isinstance(value, (int, float, bool)) and value == 0)
+    reduce_ops = ("avg", "max", "min") if adds else None
+    return expand(call, same_dim_rows(call, self.ndim, ["self"], padded, reduce_ops=reduce_ops))
 
 
 @register(aten.sort.default, aten.sort.stable, aten.topk.default)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch.ops import aten
 
+from ..errors import ShardingError
 from ..placements import Partial, Replicate, Shard
 from ..spec import DTensorSpec
 from .registry import LOCAL_SHAPE, OpCall, Placements, Sharding, register
@@ -183,10 +184,16 @@ def lazy_bit_rule(call: OpCall) -> Sharding:
 def as_strided_rule(call: OpCall) -> Sharding:
     """Arbitrary strides address the whole storage: only unsharded inputs run locally.
 
-    Partial stays Partial (each output element is one input element). Every Shard is gathered;
-    keeping one would need a proof that the strides preserve the sharded dim.
+    The identity (the input's own size, strides and offset, as `x.as_strided(x.shape, x.stride())`)
+    is an alias of the shard, as torch. Otherwise Partial stays Partial (each output element is one
+    input element) and every Shard is gathered; keeping one would need a proof that the strides
+    preserve the sharded dim.
     """
-    placements = tuple(Replicate() if isinstance(p, Shard) else p for p in call.specs[0].placements)
+    spec = call.specs[0]
+    offset = _arg(call, 3, None)
+    if tuple(call.args[1]) == tuple(spec.shape) and tuple(call.args[2]) == spec.stride and offset in (None, 0):
+        return Sharding((spec.placements,), (spec.placements,), local_op=aten.alias.default, local_args=(spec,))
+    placements = tuple(Replicate() if isinstance(p, Shard) else p for p in spec.placements)
     return Sharding((placements,), (placements,))
 
 
@@ -226,10 +233,17 @@ def _arg(call: OpCall, index: int, default):
     aten.unbind.int,
 )
 def split_rule(call: OpCall) -> Sharding:
-    """Every piece of dim `dim`: along a sharded dim gather first; otherwise shards stay."""
+    """Every piece of dim `dim`: along a sharded dim gather first (not for unbind, as torch: its
+    outputs are views, and a view cannot gather); otherwise shards stay."""
     spec = call.specs[0]
     dim = call.kwargs.get("dim", _arg(call, 1 if call.op is aten.unbind.int else 2, 0)) % spec.ndim
     required, output = select_placements(spec.placements, dim, drops_dim=call.op is aten.unbind.int)
+    if call.op is aten.unbind.int and required != spec.placements:
+        raise ShardingError(
+            f"unbind along dim {dim}, which placements {tuple(map(str, spec.placements))} shard: it cannot "
+            f"be performed without redistribution, which a view op does not do; redistribute dim {dim} to "
+            f"Replicate() first (x.redistribute(placements=...)) or unbind another dim"
+        )
     return Sharding((required,), (output,) * len(_meta_output(call)))
 
 

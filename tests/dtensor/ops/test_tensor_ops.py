@@ -210,7 +210,9 @@ def _check_scalars_and_factories(mesh_shape: tuple[int, ...]) -> list[str]:
             "equal_diff": not torch.equal(d, distribute_tensor(x + 1, mesh, (R,) * n)),
             "is_same_size": d.is_same_size(other)
             and not d.is_same_size(distribute_tensor(torch.randn(6, 7, generator=gen), mesh, placements)),
-            "empty_like": torch.empty_like(d).placements == tuple(R if p == P else p for p in placements),
+            # every placement stays, Partial too (as torch: module.to_empty() keeps placements)
+            "empty_like": torch.empty_like(d).placements == tuple(placements),
+            "ones_like": torch.ones_like(d).placements == tuple(R if p == P else p for p in placements),
             "new_empty": d.new_empty((2, 2)).placements == (R,) * n and d.new_empty((2, 2)).shape == (2, 2),
         }
         problems += [f"{name} on {placements}" for name, ok in checks.items() if not ok]

@@ -186,6 +186,13 @@ def _movement_samples() -> list[tuple]:
     ]
 
 
+def _whole_dim(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """x with `dim` unsharded: unbind of a sharded dim raises, as torch (test_torch_parity)."""
+    if not isinstance(x, DTensor):
+        return x
+    return x.redistribute(placements=[Replicate() if p.is_shard(dim) else p for p in x.placements])
+
+
 def _selection_samples() -> list[tuple]:
     """split/chunk/unbind/narrow/slice/select and the backward ops of slice/select."""
     no_grad = {"grad": False}  # backward is cat/stack of the pieces: not this family
@@ -195,7 +202,7 @@ def _selection_samples() -> list[tuple]:
         ("split_with_sizes", lambda x: x.split([2, 4], 1), [_rand(4, 6)], no_grad),
         ("chunk", lambda x: x.chunk(3, 1), [_rand(4, 6)], no_grad),
         ("chunk_qkv", lambda x: x.chunk(3, dim=-1), [_rand(2, 5, 12)], no_grad),
-        ("unbind", lambda x: x.unbind(1), [_rand(4, 3, 5)], no_grad),
+        ("unbind", lambda x: _whole_dim(x, 1).unbind(1), [_rand(4, 3, 5)], no_grad),  # sharded: an error
         ("narrow", lambda x: x.narrow(1, 1, 3), [_rand(4, 6)], {}),
         ("slice_step", lambda x: x[:, 1:5:2], [_rand(4, 6)], {}),
         ("slice_full", lambda x: x[:, :], [_rand(5, 6)], {}),
