@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch._ops import OpOverload
 
+from .cost import redistribute_seconds
 from .device_mesh import DeviceMesh
 from .dtensor import DTensor
 from .ops import RULES, OpCall, Sharding, rule_file_for
@@ -322,7 +323,15 @@ def _decomposition_plan(call: OpCall, decomposition: Decomposition, how: str) ->
 
 
 def choose(call: OpCall, candidates: Sharding | list[Sharding]) -> Sharding:
-    """The candidate that moves the fewest bytes; ties keep more outputs sharded."""
+    """The candidate whose input redistributions cost least under the cost model (cost.py); ties
+    keep more outputs sharded.
+
+    A Partial output's later reduction is not added here: the op that consumes it prices that
+    reduction as its own input redistribution, where the cheapest resolution (a reduce_scatter
+    into a Shard, or an all_reduce) is known. Forecasting it here too counted it twice and, on the
+    hand-sharded Llama of tests/dtensor/test_comm_cost.py, traded one deferred reduce for several
+    eager gathers (198 collectives instead of 152 on 2 ranks).
+    """
     if isinstance(candidates, Sharding):
         return candidates
     if not candidates:
@@ -337,42 +346,11 @@ def _sharded_outputs(s: Sharding) -> int:
     return sum(isinstance(p, Shard) for out in s.outputs if out for p in out)
 
 
-COLLECTIVE_COST_BYTES = 1024  # a collective's latency, in bytes: among equal volumes, fewer calls win
-
-
 def redistribute_cost(specs: list[DTensorSpec], targets: tuple) -> float:
-    """Bytes a rank sends to move every input to its target (ring volumes), plus a fixed cost per
-    collective.
-
-    Volumes assume even shards (global numel over the mesh dims sharding the tensor at each step)
-    rather than this rank's uneven shard: every rank must compute the same cost and so pick the
-    same candidate, or their collectives would not match.
-    """
-    total = 0.0
-    for spec, target in zip(specs, targets):
-        if target is None or target == spec.placements:
-            continue
-        elsize = spec.dtype.itemsize
-        current = list(spec.placements)
-        for t in plan_transitions(spec, target):
-            n = spec.mesh.size(t.mesh_dim)
-            numel: float = spec.shape.numel()  # the tensor this mesh dim's group works on: sharded by the others
-            for m, p in enumerate(current):
-                if m != t.mesh_dim and isinstance(p, Shard):
-                    numel /= spec.mesh.size(m)
-            current[t.mesh_dim] = t.dst
-            volume = numel * elsize * (n - 1) / n
-            if isinstance(t.src, Replicate):
-                total += 1e-3 * numel  # local chunk / partition: no traffic, a little copying
-                continue
-            total += COLLECTIVE_COST_BYTES
-            if isinstance(t.dst, Replicate) and isinstance(t.src, Partial):
-                total += 2 * volume  # all_reduce = reduce_scatter + all_gather
-            elif isinstance(t.src, Shard) and isinstance(t.dst, Shard):
-                total += volume / n
-            else:
-                total += volume
-    return total
+    """Seconds (cost.py's α–β model) to move every input to its target, even shards assumed:
+    every rank must compute the same cost and so pick the same candidate, or their collectives
+    would not match."""
+    return sum(redistribute_seconds(spec, target) for spec, target in zip(specs, targets))
 
 
 def _finish_plan(call: OpCall, choice: Sharding) -> Plan:

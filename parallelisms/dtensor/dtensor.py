@@ -73,9 +73,10 @@ class DTensor(torch.Tensor):
     def __reduce_ex__(self, protocol: Any) -> tuple:
         """Pickle / torch.save as (shard, mesh, placements, global shape and stride).
 
-        A wrapper subclass has no storage of its own for Tensor's pickling to save, so the shard goes
-        as a plain tensor; the mesh pickles without its process groups and reattaches on load
-        (DeviceMesh.__reduce__), and the spec is rebuilt there, as its cached hash is per-process.
+        torch's DTensor pickles through Tensor.__reduce_ex__ (an empty wrapper plus its slots, as
+        they are); ours rebuilds the spec on load instead, since the spec caches a hash of string
+        hashes (the mesh dim names), which differ between processes. The shard pickles as a plain
+        tensor, the mesh without its process groups (it reattaches on load: DeviceMesh.__reduce__).
         """
         spec, local = self._spec, self._local_tensor
         args = (local.detach(), local.requires_grad, spec.mesh, spec.placements, tuple(spec.shape), spec.stride)

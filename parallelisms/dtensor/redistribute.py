@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import collectives
+from .cost import plan_seconds, transition_kind
 from .device_mesh import DeviceMesh
 from .placements import (
     Partial,
@@ -100,14 +101,13 @@ def _walk(
     return tuple(steps)
 
 
-def _estimated_cost(src: DTensorSpec, steps: tuple[Transition, ...]) -> tuple[int, int]:
-    """(elements all ranks send, collectives) of a plan, summed over every mesh coordinate.
-
-    Pure shape math (no communication); identical on every rank, so all ranks pick the same plan.
-    """
+def _estimated_cost(src: DTensorSpec, steps: tuple[Transition, ...]) -> float:
+    """Mean seconds per rank of a plan under the cost model, with every rank's exact (uneven,
+    padded) sizes: pure shape math, identical on every rank, so all ranks pick the same plan."""
     mesh_shape = src.mesh.shape
-    sent = count = 0
-    for coordinate in itertools.product(*(range(n) for n in mesh_shape)):
+    priced: list[tuple[int, str, float]] = []
+    coordinates = list(itertools.product(*(range(n) for n in mesh_shape)))
+    for coordinate in coordinates:
         current = list(src.placements)
         for step in steps:
             m, n = step.mesh_dim, mesh_shape[step.mesh_dim]
@@ -120,10 +120,9 @@ def _estimated_cost(src: DTensorSpec, steps: tuple[Transition, ...]) -> tuple[in
                 if padded_dim is not None:  # fixed-size collectives pad to the largest chunk
                     full = -(-logical[padded_dim] // n)
                     local[padded_dim] = full * n if isinstance(step.dst, Shard) else full
-                sent += math.prod(local)
-                count += 1
+                priced.append((m, transition_kind(step.src, step.dst), math.prod(local)))
             current[m] = step.dst
-    return sent, count
+    return plan_seconds(src.mesh, src.dtype.itemsize, priced) / len(coordinates)
 
 
 def redistribute_local(

@@ -87,7 +87,8 @@ def squeeze_(self: DTensor, dim: int | Sequence[int] | None = None) -> DTensor:
         Shard(p.dim - sum(d < p.dim for d in dropped)) if isinstance(p, Shard) else p for p in spec.placements
     )
     meta = torch.empty_strided(spec.shape, spec.stride, dtype=spec.dtype, device="meta").squeeze(dropped)
-    aten.squeeze_.dims(self._local_tensor, list(dropped))
+    if spec.mesh.get_coordinate() is not None:  # off the mesh the local tensor is an empty stand-in
+        aten.squeeze_.dims(self._local_tensor, list(dropped))
     self._spec = DTensorSpec(spec.mesh, placements, TensorMeta(meta.shape, tuple(meta.stride()), spec.dtype))
     _restride_wrapper(self, aten.squeeze_.dims, list(dropped))
     return self

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch._ops import OpOverload
 
+from ..cost import redistribute_seconds
 from ..placements import Partial, Placement, Replicate, Shard, norm_reduce_op
 from ..spec import DTensorSpec
 from .pointwise import (
@@ -211,11 +212,11 @@ def index_candidates(
 
 
 def cheapest(inputs: Sequence[DTensorSpec], candidates: Sequence[Candidate]) -> Candidate:
-    """The candidate that moves the fewest bytes (ties: more sharded output dims)."""
-    from ..dispatch import redistribute_cost  # dispatch imports this package: bind at call time
+    """The cheapest candidate under the cost model (ties: more sharded output dims)."""
 
     def key(c: Candidate) -> tuple[float, int]:
-        return redistribute_cost(list(inputs), c[1]), -sum(isinstance(p, Shard) for p in c[0])
+        seconds = sum(redistribute_seconds(spec, target) for spec, target in zip(inputs, c[1]))
+        return seconds, -sum(isinstance(p, Shard) for p in c[0])
 
     return min(candidates, key=key)
 

@@ -19,6 +19,7 @@ Partial patterns: `f` runs on each rank's piece and the results are reduced by r
 A Replicate input becomes P(r) locally where a pattern needs it (R -> P partitions it, no traffic).
 Candidates follow each input's placement on each mesh dim; the dispatcher keeps the cheapest. In-place
 and out= forms only get candidates whose output placements are those of the tensor they write.
+fill_ into a Partial tensor has its own table (`fill_partial`): into P(sum) only the first rank writes.
 """
 
 from __future__ import annotations

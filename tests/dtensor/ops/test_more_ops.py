@@ -127,8 +127,11 @@ def test_fill_into_partial_sum_writes_the_value_on_the_first_rank_only() -> None
     value = make_spec((), P)
     (pieces,) = pointwise_rule(OpCall(aten.fill_.Tensor, (make_spec((4,), P), value), {}))
     assert pieces.inputs == (None, (P,)) and pieces.local_impl is None  # each rank writes its piece of v
-    with pytest.raises(RuntimeError, match="Replicate first"):
-        pointwise_rule(OpCall(aten.fill_.Scalar, (make_spec((4,), Partial("prod")), 2.0), {}))
+    (norm,) = pointwise_rule(OpCall(aten.fill_.Scalar, (make_spec((4,), Partial("norm2")), 2.0), {}))
+    assert norm.local_impl is not None  # the norm of (2, 0, ..., 0) is 2
+    for placement, v in ((Partial("norm2"), -1.0), (Partial("prod"), 2.0)):  # no pieces reduce to v
+        with pytest.raises(RuntimeError, match="Replicate first"):
+            pointwise_rule(OpCall(aten.fill_.Scalar, (make_spec((4,), placement), v), {}))
 
 
 def test_find_decomposition_prefers_ours_then_the_composite_kernel_then_torchs_table() -> None:

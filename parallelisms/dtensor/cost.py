@@ -1,0 +1,155 @@
+"""The communication cost model: what moving a DTensor costs, in seconds, under an α–β model.
+
+Every collective on a mesh dim costs `α` (latency) plus the bytes one rank sends divided by the
+link bandwidth `β`. A mesh dim whose groups stay inside one host uses the intra-host
+link, one whose groups span hosts the inter-host link (hosts are blocks of LOCAL_WORLD_SIZE ranks,
+as torchrun numbers them). `use_cost_model(...)` overrides the defaults.
+
+Everything the planners compare goes through here: the dispatcher's choice between a rule's
+Shardings (their input redistributions; a Partial input's reduction is priced by the op that
+consumes it), the foreach rules, and `plan_transitions` choosing between walks.
+Costs use even shards (global sizes over mesh sizes) unless a caller passes exact per-rank sizes,
+so that every rank computes the same number and picks the same plan.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import TYPE_CHECKING
+
+from .placements import Partial, Placement, Replicate, Shard
+
+if TYPE_CHECKING:
+    from .device_mesh import DeviceMesh
+    from .spec import DTensorSpec
+
+
+@dataclass(frozen=True, slots=True)
+class LinkCost:
+    """α (seconds per collective step) and β (bytes per second one rank sends) of a link."""
+
+    latency_s: float
+    bandwidth_bytes_per_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    """Link costs inside a host and across hosts; `local_copy` prices local chunking.
+
+    The default α is small (about 1 KiB of bandwidth): the planner is greedy, one op at a time,
+    and cannot see that a sharded output saves the next op a collective. Measured on the
+    hand-sharded Llama (tests/dtensor/test_comm_cost.py, 2 ranks, 2 steps): α = 10 µs per
+    collective step gives 206 collectives, this default 152 (torch: 208), because a large α makes
+    every near-tie go to the plan with one collective fewer now and more later.
+    """
+
+    intra_host: LinkCost = LinkCost(latency_s=1e-8, bandwidth_bytes_per_s=100e9)
+    inter_host: LinkCost = LinkCost(latency_s=8e-8, bandwidth_bytes_per_s=12.5e9)
+    # a local chunk or partition is a copy: far cheaper than a collective, but not free, so that
+    # between two plans with the same collectives the one that copies less wins
+    local_copy_bytes_per_s: float = 1e14
+    host_size: int = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or 1 << 30
+
+    def link(self, mesh: DeviceMesh, mesh_dim: int) -> LinkCost:
+        """The intra-host link when every group along `mesh_dim` lies inside one host."""
+        if getattr(mesh, "mesh", None) is None:  # a stand-in mesh without rank ids (rule tests)
+            return self.intra_host
+        return self.inter_host if _spans_hosts(mesh, mesh_dim, self.host_size) else self.intra_host
+
+
+@lru_cache(maxsize=1024)
+def _spans_hosts(mesh: DeviceMesh, mesh_dim: int, host_size: int) -> bool:
+    lines = mesh.mesh.movedim(mesh_dim, -1).reshape(-1, mesh.shape[mesh_dim]) // host_size
+    return not bool((lines == lines[:, :1]).all())
+
+
+_MODEL = [CostModel()]
+
+
+def cost_model() -> CostModel:
+    return _MODEL[-1]
+
+
+@contextmanager
+def use_cost_model(model: CostModel) -> Iterator[CostModel]:
+    """Plan with `model` inside the context (plans cached before keep their choices)."""
+    _MODEL.append(model)
+    try:
+        yield model
+    finally:
+        _MODEL.pop()
+
+
+def collective_seconds(kind: str, nbytes: float, mesh: DeviceMesh, mesh_dim: int) -> float:
+    """One collective of `kind` over `mesh_dim` on a tensor of `nbytes` (what the group works on):
+    α once (the backend pipelines a ring's steps) plus the bytes one rank sends over β. Ring
+    volumes: all_gather and reduce_scatter send (n-1)/n of it, all_reduce twice that, all_to_all
+    (n-1)/n of its own 1/n."""
+    n = mesh.shape[mesh_dim]
+    if n == 1:
+        return 0.0
+    model = cost_model()
+    if kind == "local":
+        return nbytes / model.local_copy_bytes_per_s
+    link = model.link(mesh, mesh_dim)
+    volume = {
+        "all_gather": nbytes * (n - 1) / n,
+        "reduce_scatter": nbytes * (n - 1) / n,
+        "all_reduce": 2 * nbytes * (n - 1) / n,
+        "all_to_all": nbytes * (n - 1) / n / n,
+    }[kind]
+    return link.latency_s + volume / link.bandwidth_bytes_per_s
+
+
+def transition_kind(src: Placement, dst: Placement) -> str:
+    """The collective that takes one mesh dim from `src` to `dst` (the table of redistribute.py)."""
+    if isinstance(src, Replicate):
+        return "local"  # R -> S: a local chunk; R -> P: a local partition
+    if isinstance(dst, Replicate):
+        return "all_gather" if isinstance(src, Shard) else "all_reduce"
+    if isinstance(dst, Shard):
+        return "reduce_scatter" if isinstance(src, Partial) else "all_to_all"
+    return "local"
+
+
+def redistribute_seconds(spec: DTensorSpec, target: Sequence[Placement] | None) -> float:
+    """Moving `spec` to `target` along its planned transitions (even shards)."""
+    from .redistribute import plan_transitions  # redistribute imports this module
+
+    if target is None or tuple(target) == spec.placements:
+        return 0.0
+    mesh = spec.mesh
+    current = list(spec.placements)
+    total = 0.0
+    for t in plan_transitions(spec, tuple(target)):
+        total += collective_seconds(
+            transition_kind(t.src, t.dst), _group_bytes(spec, current, t.mesh_dim), mesh, t.mesh_dim
+        )
+        current[t.mesh_dim] = t.dst
+    return total
+
+
+def _group_bytes(spec: DTensorSpec, current: Sequence[Placement], mesh_dim: int) -> float:
+    """Bytes of the tensor one group along `mesh_dim` works on: sharded by the other mesh dims."""
+    numel: float = math.prod(spec.shape)
+    for m, p in enumerate(current):
+        if m != mesh_dim and isinstance(p, Shard):
+            numel /= spec.mesh.shape[m]
+    return numel * spec.dtype.itemsize
+
+
+def plan_seconds(mesh: DeviceMesh, elsize: int, steps: Sequence[tuple[int, str, float]]) -> float:
+    """A plan given as (mesh dim, kind, elements one rank sends) per step, exact sizes."""
+    model = cost_model()
+    total = 0.0
+    for mesh_dim, kind, sent in steps:
+        if kind == "local" or mesh.shape[mesh_dim] == 1:
+            continue
+        link = model.link(mesh, mesh_dim)
+        total += link.latency_s + sent * elsize / link.bandwidth_bytes_per_s
+    return total

@@ -1,0 +1,45 @@
+"""The α–β cost model: link choice per mesh dim, collective prices, overrides."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from parallelisms.dtensor.cost import CostModel, LinkCost, collective_seconds, cost_model, use_cost_model
+
+
+@dataclass(frozen=True, eq=False)
+class RankGrid:
+    """What the cost model reads from a DeviceMesh: its rank ids and shape."""
+
+    mesh: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.mesh.shape)
+
+
+GRID = RankGrid(torch.arange(8).view(2, 4))  # 2 hosts of 4 ranks: dim 0 spans hosts, dim 1 does not
+TWO_HOSTS = CostModel(
+    intra_host=LinkCost(latency_s=1e-6, bandwidth_bytes_per_s=1e11),
+    inter_host=LinkCost(latency_s=1e-5, bandwidth_bytes_per_s=1e10),
+    host_size=4,
+)
+
+
+def test_mesh_dims_inside_a_host_use_the_intra_host_link() -> None:
+    assert TWO_HOSTS.link(GRID, 1) == TWO_HOSTS.intra_host
+    assert TWO_HOSTS.link(GRID, 0) == TWO_HOSTS.inter_host
+
+
+def test_collectives_cost_latency_plus_ring_volume_over_bandwidth() -> None:
+    with use_cost_model(TWO_HOSTS):
+        nbytes = 4e6
+        assert collective_seconds("all_gather", nbytes, GRID, 1) == pytest.approx(1e-6 + nbytes * 3 / 4 / 1e11)
+        assert collective_seconds("all_reduce", nbytes, GRID, 1) == pytest.approx(1e-6 + 2 * nbytes * 3 / 4 / 1e11)
+        assert collective_seconds("all_to_all", nbytes, GRID, 1) == pytest.approx(1e-6 + nbytes * 3 / 16 / 1e11)
+        assert collective_seconds("reduce_scatter", nbytes, GRID, 0) == pytest.approx(1e-5 + nbytes / 2 / 1e10)
+        assert collective_seconds("local", nbytes, GRID, 0) < collective_seconds("all_gather", 1, GRID, 1)
+    assert cost_model() != TWO_HOSTS  # the override ends with its context
