@@ -37,7 +37,13 @@ def parallelize_llama(
         apply_tp(model, world_mesh["tp"], loss_parallel=loss_parallel)
     apply_ac(model, ac_mode)
     if parallel_dims.fsdp_enabled:
-        apply_fsdp(model, world_mesh["dp_shard_cp"], mp_policy or MixedPrecisionPolicy(), reshard_after_forward)
+        # HSDP: a 2-D (replicate, shard) mesh; fully_shard reads its dims by position
+        dp_mesh = (
+            world_mesh["dp_replicate", "dp_shard_cp"]
+            if parallel_dims.dp_replicate_enabled
+            else world_mesh["dp_shard_cp"]
+        )
+        apply_fsdp(model, dp_mesh, mp_policy or MixedPrecisionPolicy(), reshard_after_forward)
     return model
 
 
@@ -48,8 +54,14 @@ def _check_supported(parallel_dims: ParallelDims) -> None:
             f"supported yet: fully_shard takes 1-D meshes and plain (not already TP-sharded) parameters; set "
             f"parallelism.data_parallel_shard_degree=1 or parallelism.tensor_parallel_degree=1"
         )
+    if parallel_dims.dp_replicate_enabled and not parallel_dims.fsdp_enabled:
+        raise NotImplementedError(
+            f"data_parallel_replicate_degree({parallel_dims.dp_replicate}) without sharding (pure DDP) is not "
+            f"supported yet; shard too (HSDP: parallelism.data_parallel_shard_degree > 1) or set "
+            f"parallelism.data_parallel_shard_degree={parallel_dims.dp_replicate * parallel_dims.dp_shard} and "
+            f"parallelism.data_parallel_replicate_degree=1 (FSDP)"
+        )
     unsupported = {
-        "dp_replicate": ("data_parallel_replicate_degree", parallel_dims.dp_replicate),
         "cp": ("context_parallel_degree", parallel_dims.cp),
         "pp": ("pipeline_parallel_degree", parallel_dims.pp),
     }

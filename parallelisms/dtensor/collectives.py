@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
+from .async_tensor import pending, wait_all
 from .placements import chunk_size_and_offset, chunk_sizes, norm_order
 
 _REDUCE_OPS = {
@@ -56,15 +57,28 @@ def _finish_reduce(t: torch.Tensor, reduce_op: str, group_size: int) -> torch.Te
     return t.div_(group_size) if reduce_op == "avg" else t
 
 
-def all_reduce(local: torch.Tensor, reduce_op: str, group: ProcessGroup, group_size: int) -> torch.Tensor:
-    """Reduce `local` over the group into a new tensor (the input is left untouched)."""
+def all_reduce(
+    local: torch.Tensor, reduce_op: str, group: ProcessGroup, group_size: int, *, async_op: bool = False
+) -> torch.Tensor:
+    """Reduce `local` over the group into a new tensor (the input is left untouched).
+
+    `async_op`: return at once a PendingTensor (async_tensor.py) that waits on first use.
+    """
+    local = wait_all(local)  # a collective reads its input now: an async result must have landed
     out = _start_reduce(local, reduce_op)
-    dist.all_reduce(out, op=_dist_op(reduce_op), group=group)
-    return _finish_reduce(out, reduce_op, group_size)
+    work = dist.all_reduce(out, op=_dist_op(reduce_op), group=group, async_op=async_op)
+    return pending(work, out, lambda t: _finish_reduce(t, reduce_op, group_size))
 
 
-def all_gather(local: torch.Tensor, dim: int, group: ProcessGroup, sizes: list[int]) -> torch.Tensor:
-    """Concatenate every rank's `local` along `dim`; `sizes[r]` is rank r's length on `dim`."""
+def all_gather(
+    local: torch.Tensor, dim: int, group: ProcessGroup, sizes: list[int], *, async_op: bool = False
+) -> torch.Tensor:
+    """Concatenate every rank's `local` along `dim`; `sizes[r]` is rank r's length on `dim`.
+
+    `async_op` returns a PendingTensor where the gathered buffer is the result as it lands (even
+    shards on dim 0); other layouts need a copy after the wait, and so wait here.
+    """
+    local = wait_all(local)  # a collective reads its input now: an async result must have landed
     n, full = len(sizes), max(sizes)
     if full == 0:  # every shard is empty: nothing to move
         shape = list(local.shape)
@@ -72,15 +86,23 @@ def all_gather(local: torch.Tensor, dim: int, group: ProcessGroup, sizes: list[i
         return local.new_empty(shape)
     padded = _pad_dim(local, dim, full).contiguous()
     out = padded.new_empty((n * padded.shape[0], *padded.shape[1:]))
-    dist.all_gather_single(out, padded, group=group)
-    if dim == 0 and all(s == full for s in sizes):
-        return out
+    direct = dim == 0 and all(s == full for s in sizes)
+    work = dist.all_gather_single(out, padded, group=group, async_op=async_op and direct)
+    if direct:
+        return pending(work, out)
     pieces = [c.narrow(dim, 0, s) for c, s in zip(out.chunk(n), sizes)]
     return torch.cat(pieces, dim=dim)
 
 
-def reduce_scatter(local: torch.Tensor, dim: int, reduce_op: str, group: ProcessGroup, index: int) -> torch.Tensor:
-    """Reduce `local` over the group and keep chunk `index` along `dim` (torch.chunk semantics)."""
+def reduce_scatter(
+    local: torch.Tensor, dim: int, reduce_op: str, group: ProcessGroup, index: int, *, async_op: bool = False
+) -> torch.Tensor:
+    """Reduce `local` over the group and keep chunk `index` along `dim` (torch.chunk semantics).
+
+    `async_op` returns a PendingTensor when this rank's chunk is the whole output buffer (even
+    shards); otherwise it waits here.
+    """
+    local = wait_all(local)  # a collective reads its input now: an async result must have landed
     n = group.size()
     size = local.shape[dim]
     full = -(-size // n) if size else 0
@@ -93,6 +115,9 @@ def reduce_scatter(local: torch.Tensor, dim: int, reduce_op: str, group: Process
     stacked = padded if dim == 0 else torch.cat(padded.chunk(n, dim=dim), dim=0)
     stacked = stacked.contiguous()
     out = stacked.new_empty((stacked.shape[0] // n, *stacked.shape[1:]))
+    if async_op and my_size == full:
+        work = dist.reduce_scatter_single(out, stacked, op=_dist_op(reduce_op), group=group, async_op=True)
+        return pending(work, out, lambda t: _finish_reduce(t, reduce_op, n))
     dist.reduce_scatter_single(out, stacked, op=_dist_op(reduce_op), group=group)
     out = _finish_reduce(out, reduce_op, n)  # already shaped like one chunk of `padded`
     return out.narrow(dim, 0, my_size).contiguous() if my_size != full else out  # torch's shards are contiguous
@@ -107,6 +132,7 @@ def all_to_all(
     shard along `dst_dim`; pieces travel flattened with `src_dim` leading, so the receiver's
     concatenation of pieces is already the concatenation along `src_dim`. No padding is sent.
     """
+    local = wait_all(local)  # a collective reads its input now: an async result must have landed
     n = group.size()
     src_sizes = chunk_sizes(logical_shape[src_dim], n)
     dst_sizes = chunk_sizes(logical_shape[dst_dim], n)
@@ -130,6 +156,7 @@ def all_to_all(
 
 def broadcast(tensor: torch.Tensor, group: ProcessGroup, group_src: int) -> torch.Tensor:
     """Overwrite `tensor` (in place, contiguous) with group rank `group_src`'s copy."""
+    tensor = wait_all(tensor)  # a collective reads its input now: an async result must have landed
     dist.broadcast(tensor, group=group, group_src=group_src)
     return tensor
 
@@ -139,6 +166,7 @@ def scatter_chunks(tensor: torch.Tensor, dim: int, group: ProcessGroup, index: i
 
     Only the source's `tensor` is read; the others need only the same shape.
     """
+    tensor = wait_all(tensor)  # a collective reads its input now: an async result must have landed
     n = group.size()
     sizes = chunk_sizes(tensor.shape[dim], n)
     full = max(sizes)

@@ -5,18 +5,20 @@ link bandwidth `β`. A mesh dim whose groups stay inside one host uses the intra
 link, one whose groups span hosts the inter-host link (hosts are blocks of LOCAL_WORLD_SIZE ranks,
 as torchrun numbers them). `use_cost_model(...)` overrides the defaults.
 
+The transition table (TRANSITIONS) lives here too: it names the collective that changes one mesh
+dim, once, for the redistribution that runs it, the prices below and the MESHTRAIN_DEBUG log.
+
 Everything the planners compare goes through here: the dispatcher's choice between a rule's
-Shardings (their input redistributions; a Partial input's reduction is priced by the op that
-consumes it), the foreach rules, and `plan_transitions` choosing between walks.
-Costs use even shards (global sizes over mesh sizes) unless a caller passes exact per-rank sizes,
-so that every rank computes the same number and picks the same plan.
+Shardings (their input redistributions, `redistribute.redistribute_seconds`; a Partial input's
+reduction is priced by the op that consumes it), the foreach rules, and `plan_transitions`
+choosing between walks. Costs use even shards (global sizes over mesh sizes) unless a caller
+passes exact per-rank sizes, so that every rank computes the same number and picks the same plan.
 """
 
 from __future__ import annotations
 
-import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
@@ -26,7 +28,33 @@ from .placements import Partial, Placement, Replicate, Shard
 
 if TYPE_CHECKING:
     from .device_mesh import DeviceMesh
-    from .spec import DTensorSpec
+
+# The names of the steps a transition takes; each is written here only.
+ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER = "all_gather", "all_reduce", "all_to_all", "reduce_scatter"
+LOCAL_CHUNK, LOCAL_PARTITION = "local chunk", "local partition"
+UNREACHABLE = "unreachable"  # S -> P, or P between reduce ops: only Replicate becomes Partial
+
+# The transition table (DESIGN.md §3): what changes one mesh dim from a placement of the first type
+# to one of the second. Transitions carry their entry; redistribute.run_transition runs it.
+TRANSITIONS: dict[tuple[type[Placement], type[Placement]], str] = {
+    (Shard, Replicate): ALL_GATHER,
+    (Partial, Replicate): ALL_REDUCE,
+    (Shard, Shard): ALL_TO_ALL,  # S(i) -> S(j)
+    (Partial, Shard): REDUCE_SCATTER,
+    (Replicate, Shard): LOCAL_CHUNK,
+    # sum: v / n; norm<p>: v / n**(1/p); avg/min/max: v; prod: v on the first rank, 1 on the others
+    (Replicate, Partial): LOCAL_PARTITION,
+}
+
+# Bytes one rank sends in each collective on a tensor of `nbytes` (what its group of n works on).
+# Ring volumes: all_gather and reduce_scatter send (n-1)/n of it, all_reduce twice that, all_to_all
+# (n-1)/n of its own 1/n. Every other step is a local copy.
+RING_VOLUME: dict[str, Callable[[float, int], float]] = {
+    ALL_GATHER: lambda nbytes, n: nbytes * (n - 1) / n,
+    REDUCE_SCATTER: lambda nbytes, n: nbytes * (n - 1) / n,
+    ALL_REDUCE: lambda nbytes, n: 2 * nbytes * (n - 1) / n,
+    ALL_TO_ALL: lambda nbytes, n: nbytes * (n - 1) / n / n,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,61 +114,26 @@ def use_cost_model(model: CostModel) -> Iterator[CostModel]:
 
 
 def collective_seconds(kind: str, nbytes: float, mesh: DeviceMesh, mesh_dim: int) -> float:
-    """One collective of `kind` over `mesh_dim` on a tensor of `nbytes` (what the group works on):
-    α once (the backend pipelines a ring's steps) plus the bytes one rank sends over β. Ring
-    volumes: all_gather and reduce_scatter send (n-1)/n of it, all_reduce twice that, all_to_all
-    (n-1)/n of its own 1/n."""
+    """One transition of `kind` (a TRANSITIONS name, or "local") over `mesh_dim` on a tensor of
+    `nbytes` (what the group works on): a collective costs α once (the backend pipelines a ring's
+    steps) plus its RING_VOLUME over β; anything else is a local copy."""
     n = mesh.shape[mesh_dim]
     if n == 1:
         return 0.0
     model = cost_model()
-    if kind == "local":
+    volume = RING_VOLUME.get(kind)
+    if volume is None:  # a local chunk or partition (or a transition redistribute refuses)
         return nbytes / model.local_copy_bytes_per_s
     link = model.link(mesh, mesh_dim)
-    volume = {
-        "all_gather": nbytes * (n - 1) / n,
-        "reduce_scatter": nbytes * (n - 1) / n,
-        "all_reduce": 2 * nbytes * (n - 1) / n,
-        "all_to_all": nbytes * (n - 1) / n / n,
-    }[kind]
-    return link.latency_s + volume / link.bandwidth_bytes_per_s
+    return link.latency_s + volume(nbytes, n) / link.bandwidth_bytes_per_s
 
 
 def transition_kind(src: Placement, dst: Placement) -> str:
-    """The collective that takes one mesh dim from `src` to `dst` (the table of redistribute.py)."""
-    if isinstance(src, Replicate):
-        return "local"  # R -> S: a local chunk; R -> P: a local partition
-    if isinstance(dst, Replicate):
-        return "all_gather" if isinstance(src, Shard) else "all_reduce"
-    if isinstance(dst, Shard):
-        return "reduce_scatter" if isinstance(src, Partial) else "all_to_all"
-    return "local"
-
-
-def redistribute_seconds(spec: DTensorSpec, target: Sequence[Placement] | None) -> float:
-    """Moving `spec` to `target` along its planned transitions (even shards)."""
-    from .redistribute import plan_transitions  # redistribute imports this module
-
-    if target is None or tuple(target) == spec.placements:
-        return 0.0
-    mesh = spec.mesh
-    current = list(spec.placements)
-    total = 0.0
-    for t in plan_transitions(spec, tuple(target)):
-        total += collective_seconds(
-            transition_kind(t.src, t.dst), _group_bytes(spec, current, t.mesh_dim), mesh, t.mesh_dim
-        )
-        current[t.mesh_dim] = t.dst
-    return total
-
-
-def _group_bytes(spec: DTensorSpec, current: Sequence[Placement], mesh_dim: int) -> float:
-    """Bytes of the tensor one group along `mesh_dim` works on: sharded by the other mesh dims."""
-    numel: float = math.prod(spec.shape)
-    for m, p in enumerate(current):
-        if m != mesh_dim and isinstance(p, Shard):
-            numel /= spec.mesh.shape[m]
-    return numel * spec.dtype.itemsize
+    """The TRANSITIONS name of changing one mesh dim from `src` to `dst`; UNREACHABLE if none."""
+    for (src_type, dst_type), kind in TRANSITIONS.items():
+        if isinstance(src, src_type) and isinstance(dst, dst_type):
+            return kind
+    return UNREACHABLE
 
 
 def plan_seconds(mesh: DeviceMesh, elsize: int, steps: Sequence[tuple[int, str, float]]) -> float:
@@ -148,7 +141,7 @@ def plan_seconds(mesh: DeviceMesh, elsize: int, steps: Sequence[tuple[int, str, 
     model = cost_model()
     total = 0.0
     for mesh_dim, kind, sent in steps:
-        if kind == "local" or mesh.shape[mesh_dim] == 1:
+        if kind not in RING_VOLUME or mesh.shape[mesh_dim] == 1:
             continue
         link = model.link(mesh, mesh_dim)
         total += link.latency_s + sent * elsize / link.bandwidth_bytes_per_s

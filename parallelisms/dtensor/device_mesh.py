@@ -20,6 +20,7 @@ comes back detached: the same ranks and names, and `get_group` says how to fix i
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
 import threading
@@ -379,6 +380,10 @@ def init_default_process_group(device_type: str) -> None:
     backend = BACKEND_FOR_DEVICE[device_type]
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    # torch.distributed.nn.functional binds group.WORLD into default arguments when first imported
+    # (torch._dynamo imports it lazily, e.g. at an optimizer's first step), which would keep the
+    # default group alive until interpreter exit, where gloo can abort; import it while WORLD is None
+    importlib.import_module("torch.distributed.nn.functional")
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend)
     else:  # a plain `python script.py`: a world of one process

@@ -1,5 +1,6 @@
 """The DTensor class and the ways into and out of it: from_local, to_local, full_tensor,
-redistribute, distribute_tensor and distribute_module.
+redistribute, distribute_tensor and distribute_module, with the autograd Functions that make them
+differentiable (_FromLocal, _ToLocal, Redistribute).
 
 A DTensor is a `torch.Tensor` wrapper subclass: autograd and module code see a tensor of the global
 shape; the data is this rank's shard (`_local_tensor`) and `_spec` says how the shards make up the
@@ -19,7 +20,7 @@ import torch.nn as nn
 from . import collectives
 from .device_mesh import DeviceMesh, current_mesh
 from .placements import Partial, Placement, Replicate, Shard, normalize_placements
-from .redistribute import Redistribute, check_target, conform_layout, partition_value, redistribute_local
+from .redistribute import check_target, conform_layout, partition_value, redistribute_local
 from .spec import DTensorSpec, TensorMeta
 
 
@@ -232,6 +233,40 @@ class _ToLocal(torch.autograd.Function):
         spec: DTensorSpec = ctx.spec
         grad_spec = DTensorSpec(spec.mesh, ctx.grad_placements, TensorMeta(spec.shape, spec.stride, grad.dtype))
         return DTensor(conform_layout(grad, grad_spec), grad_spec), None
+
+
+class Redistribute(torch.autograd.Function):
+    """DTensor -> DTensor with new placements; backward moves the grad back to the old placements."""
+
+    @staticmethod
+    def forward(ctx, input: DTensor, dst_placements: tuple[Placement, ...], async_op: bool = False) -> DTensor:
+        src: DTensorSpec = input._spec
+        ctx.src_placements = src.placements
+        local = redistribute_local(input._local_tensor, src, dst_placements)
+        return DTensor(local, src.with_placements(dst_placements), requires_grad=input.requires_grad)
+
+    @staticmethod
+    def backward(ctx, grad: DTensor) -> tuple[DTensor, None, None]:
+        return redistribute_grad(grad, ctx.src_placements), None, None
+
+
+def redistribute_grad(grad: DTensor, placements: tuple[Placement, ...]) -> DTensor:
+    """Move a DTensor gradient to `placements` (normalized as in `backward_placements`)."""
+    spec: DTensorSpec = grad._spec
+    target = backward_placements(spec, placements)
+    if target == spec.placements:
+        return grad
+    local = redistribute_local(grad._local_tensor, spec, target, is_backward=True)
+    return DTensor(local, spec.with_placements(target))
+
+
+def backward_placements(grad: DTensorSpec, forward_src: tuple[Placement, ...]) -> tuple[Placement, ...]:
+    """Where a gradient goes in backward: the forward source, except that a Partial source takes a
+    Shard or Replicate grad as Replicate (a reduce in backward would be wasted work)."""
+    return tuple(
+        Replicate() if isinstance(f, Partial) and not isinstance(g, Partial) else f
+        for g, f in zip(grad.placements, forward_src)
+    )
 
 
 def _require_mesh(what: str) -> DeviceMesh:

@@ -1,12 +1,10 @@
-"""Redistribution: plan the per-mesh-dim transitions between two placements, run them, and
-differentiate through them.
+"""Redistribution: plan the per-mesh-dim transitions between two placements, run them, and price
+them.
 
-One transition changes one mesh dim:
-
-    S(i) -> R     all_gather            P -> R      all_reduce
-    R -> S(i)     local chunk           P -> S(i)   reduce_scatter
-    S(i) -> S(j)  all_to_all            R -> P      local partition (sum: v / n; norm<p>: v / n**(1/p);
-                                                    avg/min/max: v)
+One transition changes one mesh dim by the collective (or local step) that the transition table,
+cost.TRANSITIONS, names for its pair of placements (DESIGN.md §3); only Replicate becomes Partial.
+The plan of a redistribution is computed once per (spec, target) and carries each step's name:
+run_transition runs that step, the cost model prices it and MESHTRAIN_DEBUG logs it.
 
 Mesh dims that shard the same tensor dim nest in mesh order, so a transition on mesh dim m is only
 legal when no inner mesh dim (> m) still shards that tensor dim. The planner (after torch's)
@@ -14,20 +12,34 @@ first walks mesh dims inner -> outer, un-sharding whatever would break that nest
 outer -> inner to reach the targets; a source that shards nothing may skip the first walk when
 that moves fewer bytes. Each transition is told the 'logical' shape its mesh dim splits,
 computed from the placements current at that step, which is what uneven gathers need.
+
+The differentiable entry point (the Redistribute autograd Function) lives with the DTensor class
+in dtensor.py; this module works on local tensors and specs only.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import TYPE_CHECKING
+from typing import cast
 
 import torch
 
 from . import collectives
-from .cost import plan_seconds, transition_kind
+from .cost import (
+    ALL_GATHER,
+    ALL_REDUCE,
+    ALL_TO_ALL,
+    LOCAL_CHUNK,
+    LOCAL_PARTITION,
+    REDUCE_SCATTER,
+    collective_seconds,
+    plan_seconds,
+    transition_kind,
+)
 from .device_mesh import DeviceMesh
 from .placements import (
     Partial,
@@ -42,18 +54,17 @@ from .placements import (
 )
 from .spec import DTensorSpec, dense_stride_like, is_dense, stride_order
 
-if TYPE_CHECKING:
-    from .dtensor import DTensor  # dtensor.py imports this module
-
 
 @dataclass(frozen=True, slots=True)
 class Transition:
-    """Change mesh dim `mesh_dim` from `src` to `dst`; `logical_shape` is what that dim splits."""
+    """Change mesh dim `mesh_dim` from `src` to `dst` by `kind` (its cost.TRANSITIONS name);
+    `logical_shape` is what that dim splits."""
 
     mesh_dim: int
     src: Placement
     dst: Placement
     logical_shape: tuple[int, ...]
+    kind: str
 
 
 @lru_cache(maxsize=4096)
@@ -83,7 +94,8 @@ def _walk(
 
     def move(mesh_dim: int, target: Placement) -> None:
         logical = logical_shape_before(shape, mesh_shape, coordinate, current, mesh_dim)
-        steps.append(Transition(mesh_dim, current[mesh_dim], target, tuple(logical)))
+        src = current[mesh_dim]
+        steps.append(Transition(mesh_dim, src, target, tuple(logical), transition_kind(src, target)))
         current[mesh_dim] = target
 
     for mesh_dim in reversed(range(len(current)) if unnest_first else ()):
@@ -120,9 +132,32 @@ def _estimated_cost(src: DTensorSpec, steps: tuple[Transition, ...]) -> float:
                 if padded_dim is not None:  # fixed-size collectives pad to the largest chunk
                     full = -(-logical[padded_dim] // n)
                     local[padded_dim] = full * n if isinstance(step.dst, Shard) else full
-                priced.append((m, transition_kind(step.src, step.dst), math.prod(local)))
+                priced.append((m, step.kind, math.prod(local)))
             current[m] = step.dst
     return plan_seconds(src.mesh, src.dtype.itemsize, priced) / len(coordinates)
+
+
+def redistribute_seconds(spec: DTensorSpec, target: Sequence[Placement] | None) -> float:
+    """Moving `spec` to `target` along its planned transitions, even shards assumed (the cost
+    model's seconds; what the dispatcher and the foreach rules compare)."""
+    if target is None or tuple(target) == spec.placements:
+        return 0.0
+    mesh = spec.mesh
+    current = list(spec.placements)
+    total = 0.0
+    for t in plan_transitions(spec, tuple(target)):
+        total += collective_seconds(t.kind, _group_bytes(spec, current, t.mesh_dim), mesh, t.mesh_dim)
+        current[t.mesh_dim] = t.dst
+    return total
+
+
+def _group_bytes(spec: DTensorSpec, current: Sequence[Placement], mesh_dim: int) -> float:
+    """Bytes of the tensor one group along `mesh_dim` works on: sharded by the other mesh dims."""
+    numel: float = math.prod(spec.shape)
+    for m, p in enumerate(current):
+        if m != mesh_dim and isinstance(p, Shard):
+            numel /= spec.mesh.shape[m]
+    return numel * spec.dtype.itemsize
 
 
 def redistribute_local(
@@ -171,36 +206,37 @@ def _is_contiguous_stride(shape: torch.Size, stride: tuple[int, ...]) -> bool:
 def run_transition(
     local: torch.Tensor, step: Transition, mesh: DeviceMesh, index: int, *, is_backward: bool
 ) -> torch.Tensor:
-    src, dst, m = step.src, step.dst, step.mesh_dim
+    """Take this rank's shard (at coordinate `index` of the step's mesh dim) through `step`."""
+    m = step.mesh_dim
     n = mesh.size(m)
-    if n == 1 and not (isinstance(src, Shard) and isinstance(dst, Shard)):
+    if n == 1:
         return local  # a group of one: every transition is the identity
-    if isinstance(dst, Replicate):
-        if isinstance(src, Shard):
-            return collectives.all_gather(
-                local, src.dim, mesh.get_group(m), chunk_sizes(step.logical_shape[src.dim], n)
-            )
-        if isinstance(src, Partial):
-            return collectives.all_reduce(local, src.reduce_op, mesh.get_group(m), n)
-    elif isinstance(dst, Shard):
-        if isinstance(src, Replicate):
-            size, start = chunk_size_and_offset(local.shape[dst.dim], n, index)
-            return local.narrow(dst.dim, start, size).clone(memory_format=torch.contiguous_format)
-        if isinstance(src, Partial):
-            return collectives.reduce_scatter(local, dst.dim, src.reduce_op, mesh.get_group(m), index)
-        if isinstance(src, Shard):
-            if n == 1:
-                return local
-            return collectives.all_to_all(local, src.dim, dst.dim, mesh.get_group(m), index, list(step.logical_shape))
-    elif isinstance(dst, Partial):
-        if isinstance(src, Replicate):
-            if is_backward:  # a replicated grad stays replicated: partitioning it would only add a reduce
-                return local
-            return partition_value(local, dst.reduce_op, n, index)
-        if isinstance(src, Partial):
-            raise ValueError(
-                f"cannot redistribute {src} to {dst} on mesh dim {m}: reduce ops differ; go through Replicate()"
-            )
+    kind, src, dst = step.kind, step.src, step.dst
+    if kind == ALL_GATHER:
+        dim = cast(Shard, src).dim
+        return collectives.all_gather(local, dim, mesh.get_group(m), chunk_sizes(step.logical_shape[dim], n))
+    if kind == ALL_REDUCE:
+        return collectives.all_reduce(local, cast(Partial, src).reduce_op, mesh.get_group(m), n)
+    if kind == REDUCE_SCATTER:
+        return collectives.reduce_scatter(
+            local, cast(Shard, dst).dim, cast(Partial, src).reduce_op, mesh.get_group(m), index
+        )
+    if kind == ALL_TO_ALL:
+        return collectives.all_to_all(
+            local, cast(Shard, src).dim, cast(Shard, dst).dim, mesh.get_group(m), index, list(step.logical_shape)
+        )
+    if kind == LOCAL_CHUNK:
+        dim = cast(Shard, dst).dim
+        size, start = chunk_size_and_offset(local.shape[dim], n, index)
+        return local.narrow(dim, start, size).clone(memory_format=torch.contiguous_format)
+    if kind == LOCAL_PARTITION:
+        if is_backward:  # a replicated grad stays replicated: partitioning it would only add a reduce
+            return local
+        return partition_value(local, cast(Partial, dst).reduce_op, n, index)
+    if isinstance(src, Partial) and isinstance(dst, Partial):
+        raise ValueError(
+            f"cannot redistribute {src} to {dst} on mesh dim {m}: reduce ops differ; go through Replicate()"
+        )
     raise ValueError(
         f"cannot redistribute {src} to {dst} on mesh dim {m}: only a Replicate tensor can become Partial; "
         f"redistribute to Replicate() first"
@@ -224,41 +260,3 @@ def check_target(src: DTensorSpec, dst_placements: tuple[Placement, ...]) -> Non
                 f"{[str(p) for p in src.placements]} -> {[str(p) for p in dst_placements]}): only Replicate "
                 f"can become Partial; redistribute to Replicate() first"
             )
-
-
-def backward_placements(grad: DTensorSpec, forward_src: tuple[Placement, ...]) -> tuple[Placement, ...]:
-    """Where a gradient goes in backward: the forward source, except that a Partial source takes a
-    Shard or Replicate grad as Replicate (a reduce in backward would be wasted work)."""
-    return tuple(
-        Replicate() if isinstance(f, Partial) and not isinstance(g, Partial) else f
-        for g, f in zip(grad.placements, forward_src)
-    )
-
-
-class Redistribute(torch.autograd.Function):
-    """DTensor -> DTensor with new placements; backward moves the grad back to the old placements."""
-
-    @staticmethod
-    def forward(ctx, input: DTensor, dst_placements: tuple[Placement, ...], async_op: bool = False) -> DTensor:
-        from .dtensor import DTensor
-
-        src: DTensorSpec = input._spec
-        ctx.src_placements = src.placements
-        local = redistribute_local(input._local_tensor, src, dst_placements)
-        return DTensor(local, src.with_placements(dst_placements), requires_grad=input.requires_grad)
-
-    @staticmethod
-    def backward(ctx, grad: DTensor) -> tuple[DTensor, None, None]:
-        return redistribute_grad(grad, ctx.src_placements), None, None
-
-
-def redistribute_grad(grad: DTensor, placements: tuple[Placement, ...]) -> DTensor:
-    """Move a DTensor gradient to `placements` (normalized as in `backward_placements`)."""
-    from .dtensor import DTensor
-
-    spec: DTensorSpec = grad._spec
-    target = backward_placements(spec, placements)
-    if target == spec.placements:
-        return grad
-    local = redistribute_local(grad._local_tensor, spec, target, is_backward=True)
-    return DTensor(local, spec.with_placements(target))

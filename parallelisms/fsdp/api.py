@@ -54,11 +54,16 @@ def fully_shard(
     reshard_after_forward: bool | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
 ) -> nn.Module:
-    """Shard `module`'s parameters `Shard(0)` over the 1-D `mesh`, in place; returns `module`.
+    """Shard `module`'s parameters `Shard(0)` over `mesh`, in place; returns `module`.
+
+    A 1-D mesh shards over all its ranks (FSDP). A 2-D mesh is (replicate, shard) by position,
+    whatever its dim names (HSDP, as torch): parameters are `(Replicate(), Shard(0))`, gathered and
+    reduce-scattered over dim 1 and averaged over dim 0.
 
     Args:
         module: the module; parameters managed by a nested fully_shard are left to it.
-        mesh: 1-D mesh of the data-parallel ranks; default: all ranks on "cuda" if available, else "cpu".
+        mesh: 1-D mesh of the data-parallel ranks, or 2-D (replicate, shard); default: all ranks on
+            "cuda" if available, else "cpu".
         reshard_after_forward: free the unsharded parameters after forward (all-gather them again
             in backward). None (the default, as in torch): True, except for the root module.
         mp_policy: dtypes of the unsharded parameters, gradient reduction and outputs.
@@ -89,10 +94,10 @@ def _default_mesh() -> DeviceMesh:
 
 
 def _check_mesh(mesh: DeviceMesh) -> None:
-    if mesh.ndim != 1:
-        raise NotImplementedError(
-            f"fully_shard got a {mesh.ndim}-D mesh {mesh}; HSDP (replicate x shard) is not supported "
-            f"yet: pass a 1-D mesh of the ranks to shard over, e.g. world_mesh['dp_shard']"
+    if mesh.ndim not in (1, 2):
+        raise ValueError(
+            f"fully_shard got a {mesh.ndim}-D mesh {mesh}; it takes a 1-D mesh (FSDP) or a 2-D "
+            f"(replicate, shard) mesh (HSDP), e.g. world_mesh['dp_replicate', 'dp_shard']"
         )
 
 

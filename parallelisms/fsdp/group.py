@@ -5,7 +5,9 @@ one all-gather returns `(world, group_numel)` rank-major, and each parameter cop
 block `[:, offset : offset + slot]` into its unsharded storage. Reduce: every gradient is chunked
 and padded to `(world, slot)` the same way, the blocks are concatenated column-wise into one
 `(world, group_numel)` buffer, one reduce-scatter averages it over the mesh, and each parameter
-takes its `slot` of the result as its sharded gradient.
+takes its `slot` of the result as its sharded gradient. On a 2-D (replicate, shard) mesh (HSDP) the
+collectives run over the shard dim, and the reduced shards are then averaged over the replicate dim
+with one all-reduce.
 """
 
 from __future__ import annotations
@@ -43,8 +45,9 @@ class ParamGroup:
         flat = torch.cat(inputs)  # (group_numel,)  this rank's padded shards
         if self.policy.param_dtype is not None:
             flat = flat.to(self.policy.param_dtype)
-        gathered = collectives.all_gather_flat(flat, self.mesh.get_group(0))
-        per_rank = gathered.view(self.mesh.size(), self.group_numel)  # (world, group_numel)
+        shard_dim = self.mesh.ndim - 1
+        gathered = collectives.all_gather_flat(flat, self.mesh.get_group(shard_dim))
+        per_rank = gathered.view(self.mesh.size(shard_dim), self.group_numel)  # (shard world, group_numel)
         for p, offset in zip(self.params, self.offsets):
             p.fill_unsharded(per_rank[:, offset : offset + p.slot_numel])
             assert p.unsharded is not None
@@ -80,7 +83,10 @@ class ParamGroup:
         blocks = [p.reduce_scatter_input(g) for p, g in pending]  # each (world, slot)
         dtype = blocks[0].dtype
         flat = torch.cat([b.to(dtype) for b in blocks], dim=1)  # (world, numel of these slots)
-        reduced = collectives.reduce_scatter_flat(flat.reshape(-1), "avg", self.mesh.get_group(0))
+        shard_dim = self.mesh.ndim - 1
+        reduced = collectives.reduce_scatter_flat(flat.reshape(-1), "avg", self.mesh.get_group(shard_dim))
+        if shard_dim:  # HSDP: every replica of this shard averages it with the others
+            reduced = collectives.all_reduce(reduced, "avg", self.mesh.get_group(0), self.mesh.size(0))
         offset = 0
         for p, _ in pending:
             p.accumulate_sharded_grad(reduced[offset : offset + p.slot_numel])

@@ -1,7 +1,8 @@
 """FSDPParam: one parameter's two forms under fully_shard, and its slot in the group's flat buffers.
 
-Sharded form: an `nn.Parameter` wrapping a DTensor placed `Shard(0)` on a 1-D mesh; its local tensor
-is exactly this rank's `torch.chunk` piece (uneven dim 0 leaves short or empty trailing shards). The
+Sharded form: an `nn.Parameter` wrapping a DTensor placed `Shard(0)` on a 1-D mesh, or
+`(Replicate(), Shard(0))` on a 2-D (replicate, shard) mesh (HSDP); its local tensor is exactly this
+rank's `torch.chunk` piece over the shard dim (uneven dim 0 leaves short or empty trailing shards). The
 optimizer and the state dict only ever see this form.
 
 Unsharded form: a plain leaf `nn.Parameter` of the global shape, created once and kept for the life
@@ -25,7 +26,7 @@ from typing import cast
 import torch
 import torch.nn as nn
 
-from parallelisms.dtensor import DeviceMesh, DTensor, Shard
+from parallelisms.dtensor import DeviceMesh, DTensor, Replicate, Shard
 
 
 class FSDPParam:
@@ -34,15 +35,19 @@ class FSDPParam:
     def __init__(self, owners: list[tuple[nn.Module, str]], param: nn.Parameter, mesh: DeviceMesh) -> None:
         self.owners = owners  # (module, attribute name) pairs; several when a parameter is shared
         self.mesh = mesh
-        self.world = mesh.size()
+        self.shard_mesh_dim = mesh.ndim - 1  # the last mesh dim shards; a leading one replicates (HSDP)
+        self.world = mesh.size(self.shard_mesh_dim)  # ranks one parameter is split over
+        self.placements = (Replicate(),) * (mesh.ndim - 1) + (Shard(0),)
         self.global_shape = param.shape
         dim0 = param.shape[0]
         self.rows = -(-dim0 // self.world)  # the largest torch.chunk piece along dim 0
         self.row_numel = math.prod(param.shape[1:])
         self.slot_numel = self.rows * self.row_numel  # this parameter's per-rank span in flat buffers
-        local = _local_chunk(param.detach(), self.world, mesh.get_local_rank(), _mesh_device(mesh))
+        index = mesh.get_local_rank(self.shard_mesh_dim)
+        local = _local_chunk(param.detach(), self.world, index, _mesh_device(mesh))
         self.local_numel = local.numel()
-        sharded = DTensor.from_local(local, mesh, [Shard(0)], shape=param.shape, stride=_contiguous_stride(param.shape))
+        stride = _contiguous_stride(param.shape)
+        sharded = DTensor.from_local(local, mesh, self.placements, shape=param.shape, stride=stride)
         self.sharded = nn.Parameter(sharded, requires_grad=param.requires_grad)
         self.unsharded: nn.Parameter | None = None  # built at the first unshard, in the gather dtype
         self._padded: torch.Tensor | None = None  # (world * rows, *rest) storage behind `unsharded`
@@ -131,7 +136,7 @@ class FSDPParam:
         local_grad = reduced[: self.local_numel].view(local.shape).to(local.dtype)
         if self.sharded.grad is None:
             self.sharded.grad = DTensor.from_local(
-                local_grad, self.mesh, [Shard(0)], shape=self.global_shape, stride=self.sharded.stride()
+                local_grad, self.mesh, self.placements, shape=self.global_shape, stride=self.sharded.stride()
             )
         else:
             cast(DTensor, self.sharded.grad).to_local().add_(local_grad)

@@ -7,7 +7,7 @@ import warnings
 
 import torch.nn as nn
 
-from ..dtensor import DeviceMesh
+from ..dtensor import DeviceMesh, current_mesh
 from .style import ParallelStyle
 
 
@@ -24,8 +24,12 @@ def parallelize_module(
     fnmatch pattern (`"layers.*.attention"`). As torch, a key that matches no submodule, or no plan,
     warns and is skipped (a typo in a key leaves that part unsharded: read the warning).
     """
+    device_mesh = device_mesh or current_mesh()  # `with tp_mesh:` as torch
     if device_mesh is None:
-        raise ValueError("parallelize_module needs a device_mesh (the 1-D tensor-parallel mesh)")
+        raise ValueError(
+            "parallelize_module needs a device_mesh (the 1-D tensor-parallel mesh): pass one, or call it inside "
+            "`with tp_mesh:`"
+        )
     if device_mesh.ndim != 1:
         raise ValueError(
             f"parallelize_module needs a 1-D mesh, got {device_mesh.ndim}-D {device_mesh.mesh_dim_names}; "

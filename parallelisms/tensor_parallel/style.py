@@ -39,7 +39,7 @@ def _to_dtensor(x: Any, mesh: DeviceMesh, layout: Placement | None, desired: Pla
     if not isinstance(x, DTensor):  # a DTensor input already carries its layout
         x = DTensor.from_local(x, mesh, (layout,), run_check=False)
     if desired is not None and x.placements != (desired,):
-        x = x.redistribute(placements=(desired,))
+        x = x.redistribute(placements=(desired,), async_op=True)  # waited on first use, as torch
     return x
 
 
@@ -47,7 +47,7 @@ def _finish_output(x: Any, mesh: DeviceMesh, layout: Placement | None, use_local
     if not isinstance(x, DTensor):
         return x
     if layout is not None and x.placements != (layout,):
-        x = x.redistribute(placements=(layout,))
+        x = x.redistribute(placements=(layout,), async_op=True)  # waited on first use, as torch
     return x.to_local() if use_local_output else x
 
 

@@ -124,20 +124,28 @@ def _fwd_bwd_counts(model: nn.Module, idx: torch.Tensor, tgt: torch.Tensor) -> d
 
 
 # ------------------------------------------------------------------------------ rank functions
-def _compare_training(reshard_after_forward: bool | None, param_dtype: torch.dtype | None) -> dict:
+def _compare_training(
+    reshard_after_forward: bool | None, param_dtype: torch.dtype | None, mesh_shape: tuple[int, ...] | None = None
+) -> dict:
+    """Ours and torch's fully_shard (FSDP on a 1-D mesh, HSDP on a 2-D (replicate, shard) one) train
+    on every rank's slice of one global batch; the reference trains on the whole batch."""
     from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
-    mesh, torch_mesh = get_mesh((world,)), get_torch_mesh((world,))
+    mesh_shape = mesh_shape or (world,)
+    names = ("dp_replicate", "dp_shard") if len(mesh_shape) == 2 else None  # torch's HSDP needs names
+    mesh, torch_mesh = get_mesh(mesh_shape, names), get_torch_mesh(mesh_shape, names)
+    shards = mesh_shape[-1]
+    shard_rank = rank % shards
     mp = dict(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
     ours = _build(fully_shard, mesh, reshard_after_forward=reshard_after_forward, mp_policy=MixedPrecisionPolicy(**mp))
     theirs = _build(torch_fully_shard, torch_mesh, reshard_after_forward=reshard_after_forward, mp_policy=TorchMP(**mp))
     local_batches = lambda step: _rank_batch(step, world, rank)  # noqa: E731
     assert isinstance(ours, FSDPModule) and isinstance(ours.blocks[0], FSDPModule) and isinstance(ours, Tiny)
     w = ours.blocks[0].qkv.weight
-    assert isinstance(w, DTensor) and w.placements == (Shard(0),)
-    assert torch.equal(w.to_local(), _build(None, None).blocks[0].qkv.weight.detach().chunk(world)[rank])
+    assert isinstance(w, DTensor) and w.placements == (Replicate(),) * (len(mesh_shape) - 1) + (Shard(0),)
+    assert torch.equal(w.to_local(), _build(None, None).blocks[0].qkv.weight.detach().chunk(shards)[shard_rank])
     out = {
         "ours_losses": _train(ours, local_batches),
         "torch_losses": _train(theirs, local_batches),
@@ -254,8 +262,8 @@ def _activation_checkpointing_train() -> dict:
 def _errors() -> list[str]:
     world = torch.distributed.get_world_size()
     messages = []
-    with pytest.raises(NotImplementedError, match="HSDP") as e:
-        fully_shard(nn.Linear(4, 4), mesh=get_mesh((world, 1), ("dp_replicate", "dp_shard")))
+    with pytest.raises(ValueError, match="2-D") as e:
+        fully_shard(nn.Linear(4, 4), mesh=get_mesh((world, 1, 1), ("dp_replicate", "dp_shard", "tp")))
     messages.append(str(e.value))
     tp_mesh = get_mesh((world, 1), ("dp", "tp"))["tp"]
     lin = nn.Linear(4, 4)
@@ -290,6 +298,20 @@ def test_fully_shard_matches_reference_and_torch(world: int, reshard_after_forwa
         torch.testing.assert_close(r["ours_losses"], r["torch_losses"], atol=1e-5, rtol=1e-5)
         assert r["vs_torch"] < 1e-5 and r["vs_reference"] < 1e-5, r
         _check_counts(r)
+
+
+def test_hsdp_on_a_2d_mesh_matches_reference_and_torch() -> None:
+    # (2, 2): replicate over dim 0, shard over dim 1; one all-gather / reduce-scatter over the shard
+    # dim and one all-reduce over the replicate dim per group, as torch's
+    results = run_world(_compare_training, 4, None, None, (2, 2))
+    mean_losses = [sum(r["ours_losses"][s] for r in results) / 4 for s in range(3)]
+    torch.testing.assert_close(mean_losses, results[0]["ref_losses"], atol=1e-5, rtol=1e-5)
+    for r in results:
+        assert r["all_sharded"]
+        torch.testing.assert_close(r["ours_losses"], r["torch_losses"], atol=1e-5, rtol=1e-5)
+        assert r["vs_torch"] < 1e-5 and r["vs_reference"] < 1e-5, r
+        _check_counts(r)
+        assert r["ours_counts"].get("all_reduce", 0) > 0, r["ours_counts"]
 
 
 def test_mixed_precision_matches_torch() -> None:

@@ -60,3 +60,16 @@ def test_main_trains_in_2_rank_world(tmp_path: Path, overrides: list[str]) -> No
     assert all(math.isfinite(x) for x in losses)
     assert losses[-1] < losses[0]
     assert (tmp_path / "config.toml").is_file()
+
+
+def test_hsdp_trains_exactly_like_fsdp_on_4_ranks(tmp_path: Path) -> None:
+    # same global batch, same initial weights: HSDP(2 replicas x 2 shards) must follow FSDP(4) step for step
+    argv = [
+        "--job.config_file", str(REPO / "configs" / "debug_model.toml"),
+        "--training.steps", "3", "--training.seq_len", "64", "--lr_scheduler.warmup_steps", "0",
+        "--metrics.log_freq", "1",
+    ]  # fmt: skip
+    fsdp = _losses(run_world(_train_rank, 4, [*argv, "--job.dump_folder", str(tmp_path / "fsdp")])[0])
+    hsdp_args = ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"]
+    hsdp = _losses(run_world(_train_rank, 4, [*argv, "--job.dump_folder", str(tmp_path / "hsdp"), *hsdp_args])[0])
+    assert len(fsdp) == 3 and hsdp == pytest.approx(fsdp, rel=1e-5, abs=1e-5), (fsdp, hsdp)

@@ -34,7 +34,6 @@ from torch.ops import aten
 
 from ..placements import Partial, Placement, Replicate, Shard, chunk_sizes
 from ..spec import DTensorSpec
-from .norms import arg, named_specs
 from .registry import OpCall, Sharding, register
 
 R = Replicate()
@@ -158,10 +157,10 @@ def output_placement(role: str, layout: Layout, bias: Placement | None) -> Place
 def attention_rule(call: OpCall) -> list[Sharding]:
     """Product over mesh dims of the layouts some input has, minus illegal head / row splits."""
     name = call.op._schema.name.split("::")[1]
-    named = named_specs(call)
+    named = call.bound.named_specs()
     specs = dict(named)
     query, key = specs["query"], specs["key"]
-    allow_queries = name in QUERY_SHARDABLE and not arg(call, "is_causal", False)
+    allow_queries = name in QUERY_SHARDABLE and not call.bound["is_causal"]
     if _returns_debug_mask(call):  # (B, H, Tq, Tk) debug output: keep it simple, replicate
         return [_sharding(call, named, query, (Layout(R, R),) * call.mesh_ndim)]
     per_dim = [
@@ -177,8 +176,7 @@ def attention_rule(call: OpCall) -> list[Sharding]:
 
 
 def _returns_debug_mask(call: OpCall) -> bool:
-    names = {a.name for a in call.op._schema.arguments}
-    return "return_debug_mask" in names and bool(arg(call, "return_debug_mask", False))
+    return bool(call.bound.get("return_debug_mask", False))  # False for ops without the argument
 
 
 def _sharding(call: OpCall, named, query: DTensorSpec, combo: Sequence[Layout]) -> Sharding:

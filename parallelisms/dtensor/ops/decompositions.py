@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch._decomp import decomposition_table
@@ -29,10 +29,15 @@ from ..placements import Shard
 from ..spec import DTensorSpec, TensorMeta
 from .view_dims import squeezed_dims
 
-if TYPE_CHECKING:
-    from ..dtensor import DTensor
-
 Decomposition = Callable[..., Any]
+
+
+class ShardedTensor(Protocol):
+    """The DTensor fields an in-place view rewrites (typed structurally: dtensor.py imports the
+    dispatcher, which imports this module)."""
+
+    _spec: DTensorSpec
+    _local_tensor: torch.Tensor
 
 
 def find_decomposition(op: OpOverload) -> Decomposition | None:
@@ -67,7 +72,7 @@ def run_decomposition(op: OpOverload, fn: Decomposition, *args: Any, **kwargs: A
 # --------------------------------------------------------------------------------------------------
 
 
-def squeeze_(self: DTensor, dim: int | Sequence[int] | None = None) -> DTensor:
+def squeeze_(self: ShardedTensor, dim: int | Sequence[int] | None = None) -> ShardedTensor:
     """`self.squeeze_(dim)`: drop the global size-1 dims among `dim` (all when None), in place.
 
     Shards of later dims shift down (S(2) -> S(1)); Partial stays. The local tensor is squeezed on
@@ -94,7 +99,7 @@ def squeeze_(self: DTensor, dim: int | Sequence[int] | None = None) -> DTensor:
     return self
 
 
-def _restride_wrapper(self: torch.Tensor, op: OpOverload, *args: Any) -> None:
+def _restride_wrapper(self: Any, op: OpOverload, *args: Any) -> None:
     """Run in-place view `op` on the wrapper tensor's own sizes and strides (it has no data), as
     torch's return_and_correct_aliasing does for wrapper subclasses: as a meta op, below dispatch."""
     with no_dispatch():

@@ -134,13 +134,9 @@ def scatter_options(grad: Placement, indices: Placement, ids_ndim: int, by_freq:
 def embedding_backward_rule(call: OpCall) -> list[Sharding]:
     """Product over mesh dims of `scatter_options`; masked on any mesh dim -> the masked scatter."""
     grad, indices = call.specs
-    by_freq = bool(_arg(call, 4, "scale_grad_by_freq"))
+    by_freq = bool(call.bound["scale_grad_by_freq"])
     per_dim = [scatter_options(g, i, indices.ndim, by_freq) for g, i in zip(grad.placements, indices.placements)]
     return [_sharding(combo, masked_embedding_backward) for combo in itertools.product(*per_dim)]
-
-
-def _arg(call: OpCall, index: int, name: str):
-    return call.args[index] if index < len(call.args) else call.kwargs[name]
 
 
 def masked_embedding_backward(local_args: list, local_kwargs: dict, input_specs, output_specs) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Sharding rules: foreach ops (`_foreach_*`), fused optimizers (`_fused_adam(w)_`) and vector norms.
+"""Sharding rules: foreach ops (`_foreach_*`) and fused optimizers (`_fused_adam(w)_`).
 
 A foreach op is its pointwise op applied per list index (`_foreach_add_(xs, ys, alpha=a)` is
 `xs[i].add_(ys[i], alpha=a)` for every i), so each index is planned on its own with the pointwise
@@ -6,15 +6,9 @@ planner (pointwise.elementwise_candidates) and keeps its cheapest candidate: lis
 placements freely. A single tensor shared by every index (`_foreach_mul_(grads, clip_coef)`) must
 be Replicate. In-place lists (and every list a fused optimizer writes) keep their placements.
 
-Norms of sharded tensors are reductions whose pieces combine without moving the data:
-
-    ||x||_p over S(d) pieces, d reduced   -> P(norm<p>)   global = (sum_r ||x_r||_p ** p) ** (1/p)
-    p = 1 (and 0: count of non-zeros)     -> P(sum)
-    p = inf / -inf                        -> P(max) / P(min)   (no piece may be empty: max() of none)
-    ||.||_p of P(norm<p>) pieces          -> P(norm<p>)        (the same sum of p-th powers)
-
-P(norm<p>) is reduced by all_reduce(sum) of x**p and a p-th root (collectives.py), so
-clip_grad_norm_ over sharded grads moves one scalar per norm instead of the gradients.
+_foreach_norm / _foreach_max / _foreach_powsum reduce each list index like linalg_vector_norm
+(reductions.py: a sharded norm becomes P(norm<p>)), so clip_grad_norm_ over sharded grads moves one
+scalar per norm instead of the gradients.
 
 Lists may hold DTensors of several meshes (parameters of pipeline stages, or of an FSDP and a TP
 mesh): the dispatcher then runs the op once per mesh on the indices of that mesh (`run_per_mesh`),
@@ -23,16 +17,14 @@ so each index's result lives on its own index's mesh.
 
 from __future__ import annotations
 
-import itertools
-import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch._ops import OpOverload
 
-from ..cost import redistribute_seconds
-from ..placements import Partial, Placement, Replicate, Shard, norm_reduce_op
+from ..placements import Replicate, Shard
+from ..redistribute import redistribute_seconds
 from ..spec import DTensorSpec
 from .pointwise import (
     WRITE_ONLY,
@@ -40,94 +32,14 @@ from .pointwise import (
     broadcast_shape,
     elementwise_candidates,
     identity,
-    mixes_reduce_ops,
     num_tensor_outputs,
     partial_rule_for,
     placements_str,
 )
-from .reductions import leaf_chunk_sizes
+from .reductions import Candidate, reduction_candidates, vector_norm_candidates
 from .registry import OpCall, Placements, Sharding, register
 
 aten = torch.ops.aten
-Candidate = tuple[Placements, tuple[Placements, ...]]  # (output placements, required per input)
-
-
-# --------------------------------------------------------------------------------------------------
-# norms and full reductions (pure math)
-# --------------------------------------------------------------------------------------------------
-
-
-def norm_partial(ord: float) -> str | None:
-    """The reduce op that combines per-piece `ord`-norms into the norm of the whole, if any."""
-    if ord == math.inf:
-        return "max"
-    if ord == -math.inf:
-        return "min"
-    if ord in (0, 1):
-        return "sum"
-    return norm_reduce_op(ord) if ord > 0 else None  # negative p: empty pieces raise; reduce first
-
-
-def has_empty_piece(spec: DTensorSpec, placements: Placements, dims: Sequence[int]) -> bool:
-    """Whether some rank holds no element of the reduced `dims` under `placements`."""
-    mesh_shape = spec.mesh.shape
-    for d in dims:
-        splits = [mesh_shape[m] for m, p in enumerate(placements) if isinstance(p, Shard) and p.dim == d]
-        if min(leaf_chunk_sizes(spec.shape[d], splits)) == 0:
-            return True
-    return False
-
-
-def reduction_candidates(
-    spec: DTensorSpec, becomes: str | None, passes: tuple[str, ...], dims: Sequence[int], keepdim: bool
-) -> list[tuple[Placements, Placements]]:
-    """(input placements, output placements) choices of a norm-like reduction over `dims`.
-
-    A shard of a reduced dim turns into P(`becomes`); a Partial input passes if listed in `passes`;
-    anything else is gathered. Kept dims stay sharded (shifted past the dropped dims).
-    """
-
-    def out_dim(d: int) -> int:
-        return d if keepdim else d - sum(1 for r in dims if r < d)
-
-    per_dim: list[list[tuple[Placement, Placement]]] = []
-    for p in spec.placements:
-        if isinstance(p, Shard) and p.dim not in dims:
-            per_dim.append([(p, Shard(out_dim(p.dim)))])
-        elif isinstance(p, Shard):
-            per_dim.append(([(p, Partial(becomes))] if becomes else []) + [(Replicate(), Replicate())])
-        elif isinstance(p, Partial) and p.reduce_op in passes:
-            per_dim.append([(p, p)])
-        else:
-            per_dim.append([(Replicate(), Replicate())])
-    out = []
-    for combo in itertools.product(*per_dim):
-        inputs, output = tuple(i for i, _ in combo), tuple(o for _, o in combo)
-        if mixes_reduce_ops(output) or mixes_reduce_ops(inputs):
-            continue
-        if becomes in ("max", "min") and has_empty_piece(spec, inputs, dims):
-            continue  # max() of an empty piece raises
-        out.append((inputs, output))
-    return out
-
-
-def vector_norm_candidates(spec: DTensorSpec, ord: Any, dims: Sequence[int] | None, keepdim: bool) -> list[Candidate]:
-    ord = float(ord)
-    dims = tuple(range(spec.ndim)) if not dims else tuple(sorted(d % spec.ndim for d in dims))
-    becomes = norm_partial(ord)
-    passes = (becomes,) if becomes and becomes.startswith("norm") else ()  # ||.|| of P(norm<p>) pieces
-    return [(out, (inp,)) for inp, out in reduction_candidates(spec, becomes, passes, dims, keepdim)]
-
-
-@register(aten.linalg_vector_norm.default)
-def vector_norm_rule(call: OpCall) -> list[Sharding]:
-    """linalg_vector_norm: the norm table in the module docstring."""
-    spec = call.specs[0]
-    bound = dict(zip((a.name for a in call.op._schema.arguments), call.args)) | call.kwargs
-    dims = bound.get("dim")
-    dims = (dims,) if isinstance(dims, int) else dims
-    candidates = vector_norm_candidates(spec, bound.get("ord", 2), dims, bool(bound.get("keepdim", False)))
-    return [Sharding(required, (out,)) for out, required in candidates]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -152,18 +64,6 @@ def base_arg_names(base: str, fallback: Sequence[str]) -> list[str]:
     return list(fallback)
 
 
-def _slots(call: OpCall) -> Iterator[tuple[Any, int | None, Any]]:
-    """(schema argument, list index or None for a shared value, value) in DTensor-input order."""
-    schema_args = call.op._schema.arguments
-    by_name = {a.name: a for a in schema_args}
-    for arg, value in [*zip(schema_args, call.args), *((by_name[k], v) for k, v in call.kwargs.items())]:
-        if isinstance(arg.type, torch.ListType):
-            for i, v in enumerate(value or ()):
-                yield arg, i, v
-        else:
-            yield arg, None, value
-
-
 def _partial_rule(base: str) -> PartialRule:
     return identity("self") if base == "clone" else partial_rule_for(base)
 
@@ -176,7 +76,7 @@ def index_candidates(
     and read (they may not move), "shared" tensors must be Replicate."""
     inputs, in_names, written, roles = [], [], [], []
     static: dict[str, Any] = {}
-    for arg, index, value in _slots(call):
+    for arg, index, value, _ in call.bound.slots:  # index: the list item; None: shared by every index
         if index is not None and index != i:
             continue
         name = names.get(arg.name, arg.name)
@@ -222,7 +122,7 @@ def cheapest(inputs: Sequence[DTensorSpec], candidates: Sequence[Candidate]) -> 
 
 
 def list_length(call: OpCall) -> int:
-    return max((index + 1 for _, index, _ in _slots(call) if index is not None), default=0)
+    return max((index + 1 for _, index, _, _ in call.bound.slots if index is not None), default=0)
 
 
 def foreach_rule(call: OpCall) -> Sharding:
@@ -250,7 +150,7 @@ def _assemble(call: OpCall, base: str, chosen: list[Candidate]) -> Sharding:
     replicate = tuple(Replicate() for _ in range(call.mesh_ndim))
     position = [0] * len(chosen)  # per list index: the next operand position in its candidate
     per_spec: list[Placements | None] = []
-    for arg, index, value in _slots(call):
+    for arg, index, value, _ in call.bound.slots:
         if not isinstance(value, DTensorSpec):
             continue
         is_write = arg.alias_info is not None and arg.alias_info.is_write
@@ -280,7 +180,7 @@ def _norm_candidates(call: OpCall, base: str, i: int) -> list[Candidate]:
     elif base == "powsum":  # sum_j |x_j|**p adds up across pieces
         raw = reduction_candidates(spec, "sum", (), tuple(range(spec.ndim)), False)
     else:
-        ord = call.args[1] if len(call.args) > 1 else call.kwargs.get("ord", 2)
+        ord = call.bound["ord"]
         return vector_norm_candidates(spec, ord, None, False)
     return [(out, (inp,)) for inp, out in raw]
 
@@ -298,7 +198,7 @@ def mesh_groups(call: OpCall) -> list[list[int]]:
     cannot follow them onto several meshes.
     """
     mesh_of: dict[int, Any] = {}
-    for arg, index, value in _slots(call):
+    for arg, index, value, _ in call.bound.slots:
         if not isinstance(value, DTensorSpec):
             continue
         if index is None:

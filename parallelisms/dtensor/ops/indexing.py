@@ -22,7 +22,7 @@ import torch
 from ..placements import Partial, Placement, Shard
 from ..spec import DTensorSpec
 from .registry import OpCall, Sharding, register
-from .tensor_ops import R, Row, arg, expand, norm_dim, partials, same_dim_rows
+from .tensor_ops import R, Row, expand, norm_dim, partials, same_dim_rows
 
 aten = torch.ops.aten
 
@@ -34,8 +34,8 @@ aten = torch.ops.aten
 @register(aten.index_select.default)
 def index_select(call: OpCall) -> list[Sharding]:
     """self S(d != dim) x index R -> S(d); self R x index S(0) -> S(dim); P(r) x R -> P(r)."""
-    self, index = arg(call, "self"), arg(call, "index")
-    dim = norm_dim(arg(call, "dim"), self.ndim)
+    self, index = call.bound["self"], call.bound["index"]
+    dim = norm_dim(call.bound["dim"], self.ndim)
     rows = same_dim_rows(call, self.ndim, ["self"], {dim})
     for row in rows:
         row.inputs["index"] = R
@@ -48,8 +48,8 @@ def index_select(call: OpCall) -> list[Sharding]:
 def gather(call: OpCall) -> list[Sharding]:
     """out[i][j] = self[index[i][j]][j] (dim 0): shard a dim != dim that self and index share in size,
     or shard index along dim against a replicated self; P(r) self x R index -> P(r)."""
-    self, index = arg(call, "self"), arg(call, "index")
-    dim = norm_dim(arg(call, "dim"), self.ndim)
+    self, index = call.bound["self"], call.bound["index"]
+    dim = norm_dim(call.bound["dim"], self.ndim)
     rows = [Row({"self": R, "index": R}, (R,))]
     rows += [Row({"self": Shard(d), "index": Shard(d)}, (Shard(d),)) for d in _aligned_dims(dim, self, index)]
     if isinstance(index, DTensorSpec) and index.ndim:
@@ -83,8 +83,8 @@ def scatter(call: OpCall) -> list[Sharding]:
     P(r) self x P(r) src -> P(r) for the plain `.src` overload: every position takes either self's
     or src's partial value, so the reduction commutes.
     """
-    self, index, src = arg(call, "self"), arg(call, "index"), _maybe(call, "src")
-    dim = norm_dim(arg(call, "dim"), self.ndim)
+    self, index, src = call.bound["self"], call.bound["index"], call.bound.get("src")
+    dim = norm_dim(call.bound["dim"], self.ndim)
     names = ["self", "index", "src"]
     rows = [Row({n: R for n in names}, (R,))]
     rows += [Row({n: Shard(d) for n in names}, (Shard(d),)) for d in _aligned_dims(dim, self, index, src)]
@@ -93,19 +93,12 @@ def scatter(call: OpCall) -> list[Sharding]:
     return expand(call, rows)
 
 
-def _maybe(call: OpCall, name: str) -> Any:
-    try:
-        return arg(call, name)
-    except KeyError:
-        return None
-
-
 @register(aten.scatter_add.default, aten.scatter_add_.default)
 def scatter_add(call: OpCall) -> list[Sharding]:
     """Like scatter, plus: linear in (self, src) -> P(sum|avg); and index/src S(dim) against a P(sum)
     self (each rank adds its part of the updates) -> P(sum): the backward of a gather with sharded index."""
-    self, index, src = arg(call, "self"), arg(call, "index"), arg(call, "src")
-    dim = norm_dim(arg(call, "dim"), self.ndim)
+    self, index, src = call.bound["self"], call.bound["index"], call.bound["src"]
+    dim = norm_dim(call.bound["dim"], self.ndim)
     names = ["self", "index", "src"]
     rows = [Row({n: R for n in names}, (R,))]
     rows += [Row({n: Shard(d) for n in names}, (Shard(d),)) for d in _aligned_dims(dim, self, index, src)]
@@ -121,8 +114,8 @@ def scatter_add(call: OpCall) -> list[Sharding]:
 def index_add(call: OpCall) -> list[Sharding]:
     """self[index[i]] += alpha * source[i] along dim: S(d != dim) on self and source; P(sum|avg) on both;
     index S(0) x source S(dim) into a P(sum) self -> P(sum) (the backward of a sharded-index select)."""
-    self, index, source = arg(call, "self"), arg(call, "index"), arg(call, "source")
-    dim = norm_dim(arg(call, "dim"), self.ndim)
+    self, index, source = call.bound["self"], call.bound["index"], call.bound["source"]
+    dim = norm_dim(call.bound["dim"], self.ndim)
     rows = [Row({"self": R, "index": R, "source": R}, (R,))]
     rows += [
         Row({"self": Shard(d), "index": R, "source": Shard(d)}, (Shard(d),)) for d in _aligned_dims(dim, self, source)
@@ -182,7 +175,7 @@ def _index_shard(indices: tuple, layout: IndexLayout, bd: int) -> tuple[Placemen
 def index(call: OpCall) -> list[Sharding]:
     """self[indices]: self S(d) on a non-indexed d -> S(out dim); index tensors S on a broadcast dim
     against a replicated self -> S(that output dim); P(r) self x R indices -> P(r)."""
-    self, indices = arg(call, "self"), arg(call, "indices")
+    self, indices = call.bound["self"], call.bound["indices"]
     layout = index_layout(call, indices)
     rows = [Row({"self": R, "indices": R}, (R,))]
     rows += [
@@ -207,8 +200,8 @@ def index_put(call: OpCall) -> list[Sharding]:
     P(r) self x P(r) values -> P(r): assignment selects (any r), accumulation adds (sum, avg).
     With accumulate, index tensors and values may shard a broadcast dim into a P(sum) self.
     """
-    self, indices, values = arg(call, "self"), arg(call, "indices"), arg(call, "values")
-    accumulate = bool(arg(call, "accumulate", False))
+    self, indices, values = call.bound["self"], call.bound["indices"], call.bound["values"]
+    accumulate = bool(call.bound["accumulate"])
     layout = index_layout(call, indices)
     result_ndim = len(layout.broadcast) + self.ndim - len(layout.indexed)
 

@@ -24,7 +24,7 @@ from torch.ops import aten
 from ..placements import Placement, Replicate, Shard
 from ..spec import DTensorSpec
 from .registry import OpCall, Sharding, register
-from .tensor_ops import Row, arg, expand, partials
+from .tensor_ops import Row, expand, partials
 
 R = Replicate()
 
@@ -77,8 +77,8 @@ def off_diagonal_dims(ndim: int, dim1: int, dim2: int) -> list[int]:
 @register(aten.diagonal.default)
 def diagonal(call: OpCall) -> list[Sharding]:
     """x.diagonal(offset, dim1, dim2) -> (*others, diag): S(others[k]) -> S(k)."""
-    self = arg(call, "self")
-    others = off_diagonal_dims(self.ndim, arg(call, "dim1", 0), arg(call, "dim2", 1))
+    self = call.bound["self"]
+    others = off_diagonal_dims(self.ndim, call.bound["dim1"], call.bound["dim2"])
     rows = [Row({"self": R}, (R,))] + [Row({"self": Shard(d)}, (Shard(k),)) for k, d in enumerate(others)]
     return expand(call, rows + [Row({"self": p}, (p,)) for p in partials(call)])
 
@@ -86,8 +86,8 @@ def diagonal(call: OpCall) -> list[Sharding]:
 @register(aten.diag_embed.default)
 def diag_embed(call: OpCall) -> list[Sharding]:
     """(*others, n) -> matrices with that diagonal at (dim1, dim2): S(k) -> S(others[k]) for k < ndim - 1."""
-    self = arg(call, "self")
-    others = off_diagonal_dims(self.ndim + 1, arg(call, "dim1", -2), arg(call, "dim2", -1))
+    self = call.bound["self"]
+    others = off_diagonal_dims(self.ndim + 1, call.bound["dim1"], call.bound["dim2"])
     rows = [Row({"self": R}, (R,))] + [Row({"self": Shard(k)}, (Shard(d),)) for k, d in enumerate(others)]
     return expand(call, rows + [Row({"self": p}, (p,)) for p in partials(call)])
 
@@ -95,8 +95,8 @@ def diag_embed(call: OpCall) -> list[Sharding]:
 @register(aten.diagonal_scatter.default)
 def diagonal_scatter(call: OpCall) -> list[Sharding]:
     """self with src written on its (dim1, dim2) diagonal: self S(others[k]) with src S(k) -> S(others[k])."""
-    self = arg(call, "self")
-    others = off_diagonal_dims(self.ndim, arg(call, "dim1", 0), arg(call, "dim2", 1))
+    self = call.bound["self"]
+    others = off_diagonal_dims(self.ndim, call.bound["dim1"], call.bound["dim2"])
     rows = [Row({"self": R, "src": R}, (R,))]
     rows += [Row({"self": Shard(d), "src": Shard(k)}, (Shard(d),)) for k, d in enumerate(others)]
     return expand(call, rows + [Row({"self": p, "src": p}, (p,)) for p in partials(call)])

@@ -31,7 +31,6 @@ from torch.ops import aten
 from .. import collectives
 from ..placements import Partial, Placement, Replicate, Shard
 from ..spec import DTensorSpec
-from .norms import arg, named_specs
 from .registry import OpCall, Sharding, register
 
 R = Replicate()
@@ -78,9 +77,9 @@ def loss_options(x: Placement, target: Placement, cdim: int, partial_input: Plac
 
 @register(aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
 def nll_forward_rule(call: OpCall) -> list[Sharding]:
-    named = named_specs(call)
+    named = call.bound.named_specs()
     x, target = named[0][1], named[1][1]
-    reduction, cdim = arg(call, "reduction"), class_dim(x)
+    reduction, cdim = call.bound["reduction"], class_dim(x)
     per_dim = [loss_options(p, t, cdim, p) for p, t in zip(x.placements, target.placements)]
     return [_forward_sharding(combo, len(named), reduction) for combo in itertools.product(*per_dim)]
 
@@ -171,9 +170,9 @@ def nll_forward_impl(local_args, local_kwargs, input_specs, output_specs, *, row
 
 @register(aten.nll_loss_backward.default, aten.nll_loss2d_backward.default)
 def nll_backward_rule(call: OpCall) -> list[Sharding]:
-    named = dict(named_specs(call))
+    named = dict(call.bound.named_specs())
     grad, x, target = named["grad_output"], named["self"], named["target"]
-    reduction, cdim = arg(call, "reduction"), class_dim(x)
+    reduction, cdim = call.bound["reduction"], class_dim(x)
     per_dim = [loss_options(p, t, cdim, g) for p, t, g in zip(x.placements, target.placements, grad.placements)]
     return [_backward_sharding(combo, named, reduction) for combo in itertools.product(*per_dim)]
 

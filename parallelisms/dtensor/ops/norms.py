@@ -22,8 +22,6 @@ column-parallel output layer never gather; with nll_loss's class-sharded rule (l
 `F.rms_norm` and `nn.RMSNorm` decompose on CPU (torch 2.13) into pow / mean / add / rsqrt / mul
 (pointwise.py and reductions.py rules); `_fused_rms_norm(_backward)` is covered for backends that
 keep the fused kernel.
-
-`named_specs` is shared by the loss and attention families, which have the same kind of schemas.
 """
 
 from __future__ import annotations
@@ -43,23 +41,6 @@ R = Replicate()
 LINEAR_PARTIALS = (Partial("sum"), Partial("avg"))
 
 
-def named_specs(call: OpCall) -> list[tuple[str, DTensorSpec]]:
-    """(schema argument name, spec) of every DTensor input, in flat order (that of Sharding.inputs)."""
-    names = [a.name for a in call.op._schema.arguments]
-    pairs = [(names[i], a) for i, a in enumerate(call.args)] + list(call.kwargs.items())
-    return [(name, a) for name, a in pairs if isinstance(a, DTensorSpec)]
-
-
-def arg(call: OpCall, name: str, default=None):
-    """A static argument by schema name, positional or keyword."""
-    for i, a in enumerate(call.op._schema.arguments):
-        if a.name == name:
-            if i < len(call.args):
-                return call.args[i]
-            return call.kwargs.get(name, a.default_value if a.has_default_value() else default)
-    raise KeyError(f"{call.op} has no argument {name!r}")
-
-
 def row_options(placements: Iterable[Placement], keeps: Callable[[Shard], bool]) -> list[Placement]:
     """One mesh dim's choices for a common row layout: R, plus every legal shard an input has."""
     return [R] + list(dict.fromkeys(p for p in placements if isinstance(p, Shard) and keeps(p)))
@@ -71,7 +52,7 @@ def row_options(placements: Iterable[Placement], keeps: Callable[[Shard], bool])
 
 
 def _normalized_dim(call: OpCall, ndim: int) -> int:
-    dim = arg(call, "dim")
+    dim = call.bound["dim"]
     return dim + ndim if dim < 0 else dim
 
 
@@ -184,8 +165,8 @@ NORM_OUTPUTS = {
 
 def norm_axis(call: OpCall) -> int:
     """First normalized dim of the input: `input.ndim - len(normalized_shape)`."""
-    input_spec = dict(named_specs(call))["input"]
-    return input_spec.ndim - len(arg(call, "normalized_shape"))
+    input_spec = dict(call.bound.named_specs())["input"]
+    return input_spec.ndim - len(call.bound["normalized_shape"])
 
 
 def norm_options(named: Sequence[tuple[str, DTensorSpec]], mesh_dim: int, axis: int, backward: bool):
@@ -205,7 +186,7 @@ def norm_options(named: Sequence[tuple[str, DTensorSpec]], mesh_dim: int, axis: 
 @register(*NORM_OUTPUTS)
 def norm_rule(call: OpCall) -> list[Sharding]:
     """Rows (dims before `normalized_shape`) may be sharded; weight and bias are replicated."""
-    named = named_specs(call)
+    named = call.bound.named_specs()
     axis = norm_axis(call)
     kinds = NORM_OUTPUTS[call.op]
     backward = named[0][0] == "grad_out"

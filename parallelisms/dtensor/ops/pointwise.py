@@ -289,15 +289,6 @@ def base_name(op: OpOverload) -> str:
     return op._schema.name.split("::")[-1].rstrip("_")
 
 
-def named_flat(call: OpCall) -> Iterator[tuple[Any, Any]]:
-    """(schema argument, value) for every value in DTensor-input order (args, then kwargs)."""
-    schema_args = call.op._schema.arguments
-    by_name = {a.name: a for a in schema_args}
-    for arg, value in [*zip(schema_args, call.args), *((by_name[k], v) for k, v in call.kwargs.items())]:
-        for v in value if isinstance(value, (list, tuple)) else (value,):
-            yield arg, v
-
-
 def num_tensor_outputs(op: OpOverload) -> int:
     return sum("Tensor" in str(r.type) for r in op._schema.returns)
 
@@ -316,10 +307,10 @@ def pointwise_rule(call: OpCall) -> list[Sharding]:
     base = base_name(call.op)
     if base == "fill" and call.specs[0].has_partial():
         return [fill_partial(call)]
-    static: dict[str, Any] = {}
+    static = call.bound.values  # the partial patterns read scalars by name (alpha, value, ...)
     inputs, names, written, roles = [], [], [], []
-    for arg, value in named_flat(call):
-        static.setdefault(arg.name, value)
+    for slot in call.bound.slots:
+        arg, value = slot.argument, slot.value
         if not isinstance(value, DTensorSpec):
             continue
         is_write = arg.alias_info is not None and arg.alias_info.is_write

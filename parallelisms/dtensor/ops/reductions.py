@@ -1,5 +1,6 @@
 """Sharding rules: the reduction family (sum, mean, amax/amin, max/min, var/std, all/any, argmax/argmin,
-prod, logsumexp), the scans (cumsum, cumprod, logcumsumexp), written once from a small table, and histc.
+prod, logsumexp), the scans (cumsum, cumprod, logcumsumexp), written once from a small table, histc
+and the vector norms.
 
 Per mesh dim, for a reduction `f` over dims D:
 
@@ -15,18 +16,30 @@ Per mesh dim, for a reduction `f` over dims D:
 
 A rule returns the product of these per-mesh-dim options; the dispatcher keeps the cheapest.
 Scans keep every dim (keepdim) and treat the scanned dim like a reduced one that never becomes Partial.
+
+Vector norms (linalg_vector_norm) are reductions whose pieces combine without moving the data:
+
+    ||x||_p over S(d) pieces, d reduced   -> P(norm<p>)   global = (sum_r ||x_r||_p ** p) ** (1/p)
+    p = 1 (and 0: count of non-zeros)     -> P(sum)
+    p = inf / -inf                        -> P(max) / P(min)   (no piece may be empty: max() of none)
+    ||.||_p of P(norm<p>) pieces          -> P(norm<p>)        (the same sum of p-th powers)
+
+P(norm<p>) is reduced by all_reduce(sum) of x**p and a p-th root (collectives.py).
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from torch.ops import aten
 
-from ..placements import Partial, Placement, Replicate, Shard, chunk_sizes
+from ..placements import Partial, Placement, Replicate, Shard, chunk_sizes, norm_reduce_op
+from ..spec import DTensorSpec
+from .pointwise import mixes_reduce_ops
 from .registry import OpCall, Placements, Sharding, register
 
 
@@ -85,10 +98,8 @@ _EMPTY_DIMS_REDUCE_NOTHING = (aten.all.dims, aten.any.dims)
 
 def reduced_dims(call: OpCall, ndim: int) -> tuple[tuple[int, ...], bool]:
     """(normalized reduced dims, keepdim) read from the op's `dim` / `keepdim` args by schema name."""
-    names = [a.name for a in call.op._schema.arguments]
-    bound = dict(zip(names, call.args)) | call.kwargs
-    dim = bound.get("dim")
-    keepdim = bool(bound.get("keepdim", False)) or REDUCTIONS[call.op].scan
+    dim = call.bound.get("dim")
+    keepdim = bool(call.bound.get("keepdim", False)) or REDUCTIONS[call.op].scan
     if isinstance(dim, int):
         dim = (dim,)
     if dim is None or (dim == () and call.op not in _EMPTY_DIMS_REDUCE_NOTHING):
@@ -189,7 +200,86 @@ def histc_rule(call: OpCall) -> list[Sharding]:
     S(d) -> P(sum). With min == max the bin range is the data's (global) min and max, which no
     shard knows: gather first. Partial inputs are reduced first (counting is not linear)."""
     (spec,) = call.specs
-    bound = dict(zip((a.name for a in call.op._schema.arguments), call.args)) | call.kwargs
-    kind = GATHER if bound.get("min", 0) == bound.get("max", 0) else HISTC
+    kind = GATHER if call.bound["min"] == call.bound["max"] else HISTC
     dims = tuple(range(spec.ndim))
     return reduction_shardings(kind, spec.shape, spec.placements, spec.mesh.shape, dims, False, 1)
+
+
+# --------------------------------------------------------------------------------------------------
+# vector norms (linalg_vector_norm; foreach.py's _foreach_norm / _max / _powsum reuse them)
+# --------------------------------------------------------------------------------------------------
+
+Candidate = tuple[Placements, tuple[Placements, ...]]  # (output placements, required per input)
+
+
+def norm_partial(ord: float) -> str | None:
+    """The reduce op that combines per-piece `ord`-norms into the norm of the whole, if any."""
+    if ord == math.inf:
+        return "max"
+    if ord == -math.inf:
+        return "min"
+    if ord in (0, 1):
+        return "sum"
+    return norm_reduce_op(ord) if ord > 0 else None  # negative p: empty pieces raise; reduce first
+
+
+def has_empty_piece(spec: DTensorSpec, placements: Placements, dims: Sequence[int]) -> bool:
+    """Whether some rank holds no element of the reduced `dims` under `placements`."""
+    mesh_shape = spec.mesh.shape
+    for d in dims:
+        splits = [mesh_shape[m] for m, p in enumerate(placements) if isinstance(p, Shard) and p.dim == d]
+        if min(leaf_chunk_sizes(spec.shape[d], splits)) == 0:
+            return True
+    return False
+
+
+def reduction_candidates(
+    spec: DTensorSpec, becomes: str | None, passes: tuple[str, ...], dims: Sequence[int], keepdim: bool
+) -> list[tuple[Placements, Placements]]:
+    """(input placements, output placements) choices of a norm-like reduction over `dims`.
+
+    A shard of a reduced dim turns into P(`becomes`); a Partial input passes if listed in `passes`;
+    anything else is gathered. Kept dims stay sharded (shifted past the dropped dims).
+    """
+
+    def out_dim(d: int) -> int:
+        return d if keepdim else d - sum(1 for r in dims if r < d)
+
+    per_dim: list[list[tuple[Placement, Placement]]] = []
+    for p in spec.placements:
+        if isinstance(p, Shard) and p.dim not in dims:
+            per_dim.append([(p, Shard(out_dim(p.dim)))])
+        elif isinstance(p, Shard):
+            per_dim.append(([(p, Partial(becomes))] if becomes else []) + [(Replicate(), Replicate())])
+        elif isinstance(p, Partial) and p.reduce_op in passes:
+            per_dim.append([(p, p)])
+        else:
+            per_dim.append([(Replicate(), Replicate())])
+    out = []
+    for combo in itertools.product(*per_dim):
+        inputs, output = tuple(i for i, _ in combo), tuple(o for _, o in combo)
+        if mixes_reduce_ops(output) or mixes_reduce_ops(inputs):
+            continue
+        if becomes in ("max", "min") and has_empty_piece(spec, inputs, dims):
+            continue  # max() of an empty piece raises
+        out.append((inputs, output))
+    return out
+
+
+def vector_norm_candidates(spec: DTensorSpec, ord: Any, dims: Sequence[int] | None, keepdim: bool) -> list[Candidate]:
+    ord = float(ord)
+    dims = tuple(range(spec.ndim)) if not dims else tuple(sorted(d % spec.ndim for d in dims))
+    becomes = norm_partial(ord)
+    passes = (becomes,) if becomes and becomes.startswith("norm") else ()  # ||.|| of P(norm<p>) pieces
+    return [(out, (inp,)) for inp, out in reduction_candidates(spec, becomes, passes, dims, keepdim)]
+
+
+@register(aten.linalg_vector_norm.default)
+def vector_norm_rule(call: OpCall) -> list[Sharding]:
+    """linalg_vector_norm: the norm table in the module docstring."""
+    spec = call.specs[0]
+    bound = call.bound
+    dims = bound["dim"]
+    dims = (dims,) if isinstance(dims, int) else dims
+    candidates = vector_norm_candidates(spec, bound["ord"], dims, bool(bound["keepdim"]))
+    return [Sharding(required, (out,)) for out, required in candidates]

@@ -11,8 +11,8 @@ Rules never touch process groups, so they are tested without ranks.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
 from torch._ops import OpOverload, OpOverloadPacket
@@ -25,6 +25,67 @@ Placements = tuple[Placement, ...]
 LocalImpl = Callable[[list, dict, tuple[DTensorSpec, ...], tuple[DTensorSpec | None, ...]], Any]
 
 
+class Slot(NamedTuple):
+    """One value of an op call, in the flat order of its DTensor inputs (args, then kwargs; the
+    items of a list one by one)."""
+
+    argument: torch.Argument  # the schema argument it is, or is an item of
+    item: int | None  # its index in that list argument; None for a value that is not a list item
+    value: Any
+    spec_index: int | None  # its index in `call.specs` (and `Sharding.inputs`) if it is a DTensorSpec
+
+
+class BoundArgs:
+    """An OpCall's arguments bound to the op's schema, once (`call.bound`).
+
+    `bound[name]` is the argument's value: given positionally or by keyword, else the schema's
+    default (lists as tuples, like the rest of an OpCall); an argument with neither is absent
+    (`bound.get(name)` is None, `bound[name]` raises KeyError). `slots` holds every given value in
+    flat order, with the index in `call.specs` of each DTensor input.
+    """
+
+    __slots__ = ("op", "values", "slots")
+
+    def __init__(self, op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        schema_args = op._schema.arguments
+        by_name = {a.name: a for a in schema_args}
+        self.op = op
+        self.values: dict[str, Any] = {}
+        given: list[tuple[torch.Argument, Any]] = []
+        for i, a in enumerate(schema_args):
+            if i < len(args) and not a.kwarg_only:
+                given.append((a, args[i]))
+                self.values[a.name] = args[i]
+            elif a.name in kwargs:
+                self.values[a.name] = kwargs[a.name]
+            elif a.has_default_value():
+                default = a.default_value
+                self.values[a.name] = tuple(default) if isinstance(default, list) else default
+        given += [(by_name[name], v) for name, v in kwargs.items()]
+        slots: list[Slot] = []
+        specs = 0
+        for a, value in given:
+            items = enumerate(value) if isinstance(value, (list, tuple)) else ((None, value),)
+            for item, v in items:
+                is_spec = isinstance(v, DTensorSpec)
+                slots.append(Slot(a, item, v, specs if is_spec else None))
+                specs += is_spec
+        self.slots: tuple[Slot, ...] = tuple(slots)
+
+    def __getitem__(self, name: str) -> Any:
+        try:
+            return self.values[name]
+        except KeyError:
+            raise KeyError(f"{self.op} has no argument {name!r}, or it was not given and has no default") from None
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self.values.get(name, default)
+
+    def named_specs(self) -> list[tuple[str, DTensorSpec]]:
+        """(argument name, spec) of every DTensor input, in flat order (that of Sharding.inputs)."""
+        return [(s.argument.name, s.value) for s in self.slots if s.spec_index is not None]
+
+
 @dataclass(frozen=True, slots=True)
 class OpCall:
     """An op call as rules see it: every DTensor arg replaced by its DTensorSpec, lists as tuples."""
@@ -32,6 +93,17 @@ class OpCall:
     op: OpOverload
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
+    _bound: BoundArgs | None = field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def bound(self) -> BoundArgs:
+        """The args bound to the schema by name (see BoundArgs); computed on first use, for rules
+        only (cache misses), never on the dispatch hot path."""
+        bound = self._bound
+        if bound is None:
+            bound = BoundArgs(self.op, self.args, self.kwargs)
+            object.__setattr__(self, "_bound", bound)  # a cache on a frozen dataclass
+        return bound
 
     @property
     def specs(self) -> list[DTensorSpec]:

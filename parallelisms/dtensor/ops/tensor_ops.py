@@ -41,32 +41,21 @@ class Row(NamedTuple):
 
 
 # --------------------------------------------------------------------------------------------------
-# helpers: args by name, rows -> candidates
+# helpers: rows -> candidates (args by name: OpCall.bound)
 # --------------------------------------------------------------------------------------------------
-
-
-def arg(call: OpCall, name: str, default: Any = None) -> Any:
-    """The value of the op's argument `name` (positional or keyword), else `default`."""
-    for i, a in enumerate(call.op._schema.arguments):
-        if a.name == name:
-            if i < len(call.args) and not a.kwarg_only:
-                return call.args[i]
-            return call.kwargs.get(name, default)
-    raise KeyError(f"{call.op} has no argument {name!r}")
 
 
 def flat_inputs(call: OpCall, by_name: dict[str, ArgPlacement]) -> tuple[Placement | None, ...]:
     """Placements in `call.specs` order from placements given per argument name."""
-    names = [a.name for a in call.op._schema.arguments]
     out: list[Placement | None] = []
-    for name, value in [*zip(names, call.args), *call.kwargs.items()]:
-        want = by_name.get(name)
-        if isinstance(value, DTensorSpec):
+    for slot in call.bound.slots:
+        if slot.spec_index is None:
+            continue
+        want = by_name.get(slot.argument.name)
+        if slot.item is None:
             out.append(want if not isinstance(want, tuple) else None)
-        elif isinstance(value, tuple):
-            for j, x in enumerate(value):
-                if isinstance(x, DTensorSpec):
-                    out.append(want[j] if isinstance(want, tuple) else want)
+        else:
+            out.append(want[slot.item] if isinstance(want, tuple) else want)
     return tuple(out)
 
 
@@ -179,7 +168,7 @@ def to_copy(call: OpCall) -> Sharding:
     reduce commutes with bool(), so those gather to Replicate first.
     """
     (spec,) = call.specs
-    target = arg(call, "dtype")
+    target = call.bound["dtype"]
     placements = tuple(
         R if isinstance(p, Partial) and _cast_breaks(p, spec.dtype, target) else p for p in spec.placements
     )
@@ -240,7 +229,7 @@ def copy(call: OpCall) -> list[Sharding]:
 
     The functional `copy` may also move self (its values are discarded) and take src's layout.
     """
-    self, src = arg(call, "self"), arg(call, "src")
+    self, src = call.bound["self"], call.bound["src"]
     rows = [Row({"self": R, "src": R}, (R,))]
     for d in range(self.ndim):
         rows.append(Row({"self": Shard(d), "src": broadcast_placement(self, src, d)}, (Shard(d),)))
@@ -270,10 +259,10 @@ def cat(call: OpCall) -> list[Sharding]:
 
     Legacy 1-D empty inputs (shape (0,)), which cat skips, stay Replicate.
     """
-    tensors = arg(call, "tensors")
+    tensors = call.bound["tensors"]
     live = [isinstance(t, DTensorSpec) and tuple(t.shape) != (0,) for t in tensors]
     ndim = next((t.ndim for t, ok in zip(tensors, live) if ok), 1)
-    dim = norm_dim(arg(call, "dim", 0), ndim)
+    dim = norm_dim(call.bound["dim"], ndim)
 
     def each(p: Placement) -> tuple[Placement, ...]:
         return tuple(p if ok else R for ok in live)
@@ -287,9 +276,9 @@ def cat(call: OpCall) -> list[Sharding]:
 @register(aten.stack.default)
 def stack(call: OpCall) -> list[Sharding]:
     """stack at dim: S(d) x ... -> S(d if d < dim else d + 1); P(r) -> P(r)."""
-    tensors = arg(call, "tensors")
+    tensors = call.bound["tensors"]
     ndim = tensors[0].ndim if isinstance(tensors[0], DTensorSpec) else 0
-    dim = norm_dim(arg(call, "dim", 0), ndim + 1)
+    dim = norm_dim(call.bound["dim"], ndim + 1)
     rows = [Row({"tensors": R}, (R,))]
     rows += [Row({"tensors": Shard(d)}, (Shard(d if d < dim else d + 1),)) for d in range(ndim)]
     rows += [Row({"tensors": p}, (p,)) for p in partials(call)]
@@ -326,14 +315,14 @@ def is_same_size(call: OpCall) -> list[Sharding]:
 def tril_triu(call: OpCall) -> list[Sharding]:
     """The mask depends on (row, col) positions: the last two dims stay unsharded; a mask is linear
     and monotone (zeros stay zeros), so P(r) -> P(r)."""
-    self = arg(call, "self")
+    self = call.bound["self"]
     return expand(call, same_dim_rows(call, self.ndim, ["self"], {self.ndim - 1, self.ndim - 2}))
 
 
 @register(aten.repeat.default)
 def repeat(call: OpCall) -> list[Sharding]:
     """A dim repeated once keeps its shard (shifted by the new leading dims); P(r) -> P(r)."""
-    self, repeats = arg(call, "self"), arg(call, "repeats")
+    self, repeats = call.bound["self"], call.bound["repeats"]
     lead = len(repeats) - self.ndim
     rows = [Row({"self": R}, (R,))]
     rows += [Row({"self": Shard(d)}, (Shard(d + lead),)) for d in range(self.ndim) if repeats[d + lead] == 1]
@@ -344,7 +333,7 @@ def repeat(call: OpCall) -> list[Sharding]:
 @register(aten.roll.default, aten.flip.default)
 def roll_flip(call: OpCall) -> list[Sharding]:
     """Dims not rolled/flipped keep their shards (roll without dims rolls the flat tensor: all dims)."""
-    self, dims = arg(call, "self"), arg(call, "dims", ())
+    self, dims = call.bound["self"], call.bound["dims"]
     flat_roll = not dims and call.op == aten.roll.default
     active = set(range(self.ndim)) if flat_roll else {norm_dim(d, self.ndim) for d in dims}
     return expand(call, same_dim_rows(call, self.ndim, ["self"], active))
@@ -357,8 +346,8 @@ def constant_pad_nd(call: OpCall) -> list[Sharding]:
     Padding writes v on every rank: P(avg|max|min) of copies of v is v, and P(sum) (or a p-norm)
     only holds for v == 0; a crop (negative pads only) selects values, so every Partial passes.
     """
-    self, pad = arg(call, "self"), arg(call, "pad")
-    value = arg(call, "value", 0)
+    self, pad = call.bound["self"], call.bound["pad"]
+    value = call.bound["value"]
     padded = {self.ndim - 1 - i // 2 for i, p in enumerate(pad) if p != 0}
     adds = any(p > 0 for p in pad) and not (isinstance(value, (int, float, bool)) and value == 0)
     reduce_ops = ("avg", "max", "min") if adds else None
@@ -368,6 +357,6 @@ def constant_pad_nd(call: OpCall) -> list[Sharding]:
 @register(aten.sort.default, aten.sort.stable, aten.topk.default)
 def sort_topk(call: OpCall) -> list[Sharding]:
     """(values, indices) along dim: other dims keep their shards; not linear, so no Partial."""
-    self = arg(call, "self")
-    dim = norm_dim(arg(call, "dim", -1), self.ndim)
+    self = call.bound["self"]
+    dim = norm_dim(call.bound["dim"], self.ndim)
     return expand(call, same_dim_rows(call, self.ndim, ["self"], {dim}, num_outputs=2, reduce_ops=()))

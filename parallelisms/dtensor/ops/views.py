@@ -190,8 +190,8 @@ def as_strided_rule(call: OpCall) -> Sharding:
     preserve the sharded dim.
     """
     spec = call.specs[0]
-    offset = _arg(call, 3, None)
-    if tuple(call.args[1]) == tuple(spec.shape) and tuple(call.args[2]) == spec.stride and offset in (None, 0):
+    size, stride, offset = call.bound["size"], call.bound["stride"], call.bound["storage_offset"]
+    if tuple(size) == tuple(spec.shape) and tuple(stride) == spec.stride and offset in (None, 0):
         return Sharding((spec.placements,), (spec.placements,), local_op=aten.alias.default, local_args=(spec,))
     placements = tuple(Replicate() if isinstance(p, Shard) else p for p in spec.placements)
     return Sharding((placements,), (placements,))
@@ -219,10 +219,6 @@ def select_placements(
     return tuple(required), tuple(output)
 
 
-def _arg(call: OpCall, index: int, default):
-    return call.args[index] if len(call.args) > index else default
-
-
 @register(
     aten.split.Tensor,
     aten.split.sizes,
@@ -236,7 +232,7 @@ def split_rule(call: OpCall) -> Sharding:
     """Every piece of dim `dim`: along a sharded dim gather first (not for unbind, as torch: its
     outputs are views, and a view cannot gather); otherwise shards stay."""
     spec = call.specs[0]
-    dim = call.kwargs.get("dim", _arg(call, 1 if call.op is aten.unbind.int else 2, 0)) % spec.ndim
+    dim = call.bound["dim"] % spec.ndim
     required, output = select_placements(spec.placements, dim, drops_dim=call.op is aten.unbind.int)
     if call.op is aten.unbind.int and required != spec.placements:
         raise ShardingError(
@@ -255,11 +251,12 @@ def _is_whole(size: int, start: int | None, end: int | None, step: int) -> bool:
 def select_rule(call: OpCall) -> Sharding:
     """x[i], x[a:b:s], narrow along `dim`; a slice covering the whole dim (x[:, :]) keeps its shard."""
     spec = call.specs[0]
-    dim = _arg(call, 1, 0) % spec.ndim
+    dim = call.bound["dim"] % spec.ndim
     if call.op is aten.slice.Tensor:
-        whole = _is_whole(spec.shape[dim], _arg(call, 2, None), _arg(call, 3, None), _arg(call, 4, 1))
+        whole = _is_whole(spec.shape[dim], call.bound["start"], call.bound["end"], call.bound["step"])
     elif call.op is aten.narrow.default:
-        whole = _is_whole(spec.shape[dim], call.args[2], call.args[2] + call.args[3], 1)
+        start = call.bound["start"]
+        whole = _is_whole(spec.shape[dim], start, start + call.bound["length"], 1)
     else:
         whole = False
     required, output = select_placements(spec.placements, dim, drops_dim=call.op is aten.select.int, whole=whole)

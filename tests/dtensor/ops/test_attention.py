@@ -218,8 +218,8 @@ def _cuda_kernel_calls(q, lse, rng):
 
 
 def test_cuda_kernel_rules_shard_batch_and_heads():
-    from parallelisms.dtensor.dispatch import choose
     from parallelisms.dtensor.ops import RULES, OpCall
+    from parallelisms.dtensor.planning import choose
 
     for dim in (0, 1):
         q, lse, rng = (

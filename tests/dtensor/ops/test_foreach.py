@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from parallelisms.dtensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from parallelisms.dtensor.debug import CommDebugMode
-from parallelisms.dtensor.ops import foreach
+from parallelisms.dtensor.ops import foreach, reductions
 from parallelisms.dtensor.placements import norm_order, norm_reduce_op, partition_divisor
 from tests.dtensor.harness import FakeMesh, assert_no_failures, expect_error, get_mesh, make_spec, run_on_meshes
 from tests.world import run_world
@@ -309,19 +309,20 @@ def test_norm_partial_names_orders_and_partition_divisors():
     for bad in ("norm0", "norm-1", "norminf", "l2"):
         with pytest.raises(ValueError):
             Partial(bad)
-    assert foreach.norm_partial(2) == "norm2" and foreach.norm_partial(1) == "sum" and foreach.norm_partial(0) == "sum"
-    assert foreach.norm_partial(math.inf) == "max" and foreach.norm_partial(-1) is None
+    assert reductions.norm_partial(2) == "norm2"
+    assert reductions.norm_partial(1) == "sum" and reductions.norm_partial(0) == "sum"
+    assert reductions.norm_partial(math.inf) == "max" and reductions.norm_partial(-1) is None
 
 
 def test_norm_rule_keeps_kept_dims_sharded_and_gathers_empty_inf_pieces():
     mesh = FakeMesh((4,))
     spec = make_spec((8, 6), S0, mesh=mesh)
-    assert ((Shard(0),), ((S0,),)) in foreach.vector_norm_candidates(spec, 2, (1,), False)
-    assert (((Partial("norm2"),), ((S0,),))) in foreach.vector_norm_candidates(spec, 2, None, False)
+    assert ((Shard(0),), ((S0,),)) in reductions.vector_norm_candidates(spec, 2, (1,), False)
+    assert (((Partial("norm2"),), ((S0,),))) in reductions.vector_norm_candidates(spec, 2, None, False)
     empty = make_spec((3, 6), S0, mesh=mesh)  # 3 rows on 4 ranks: the last shard is empty
-    assert foreach.vector_norm_candidates(empty, math.inf, None, False) == [((R,), ((R,),))]
+    assert reductions.vector_norm_candidates(empty, math.inf, None, False) == [((R,), ((R,),))]
     partial = make_spec((8,), Partial(), mesh=mesh)
-    assert foreach.vector_norm_candidates(partial, 2, None, False) == [((R,), ((R,),))]
+    assert reductions.vector_norm_candidates(partial, 2, None, False) == [((R,), ((R,),))]
 
 
 def test_registered_foreach_ops_cover_the_optimizers():

@@ -373,7 +373,7 @@ def _no_decomposition(op: object) -> None:
 def _decomposed(mesh_shape: tuple[int, ...]) -> list[str]:
     """mse_loss and glu have no rule but an entry in torch's decomposition table: they fail without
     the decomposition fallback and match the single-device run (gradients included) with it."""
-    from parallelisms.dtensor import dispatch
+    from parallelisms.dtensor import dispatch, planning
 
     mesh = get_mesh(mesh_shape)
     gen = torch.Generator().manual_seed(4)
@@ -389,11 +389,11 @@ def _decomposed(mesh_shape: tuple[int, ...]) -> list[str]:
         for key in [k for k in dispatch.PLANS if k[0] is op]:
             del dispatch.PLANS[key]
         args = [distribute_tensor(t, mesh, [S0] * mesh.ndim) for t in inputs]
-        found, dispatch.find_decomposition = dispatch.find_decomposition, _no_decomposition
+        found, planning.find_decomposition = planning.find_decomposition, _no_decomposition
         try:
             failures += expect_error(f"{op} without decompositions", partial(fn, *args), NotImplementedError, str(op))
         finally:
-            dispatch.find_decomposition = found
+            planning.find_decomposition = found
         check_op(fn, inputs, mesh, max_combos=6)
     return failures
 

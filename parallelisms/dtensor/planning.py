@@ -1,0 +1,307 @@
+"""Planning: how an op call on DTensors runs, decided once per cache key (op, input specs, static
+args) and kept in a PlanCache.
+
+After the split of torch's OpDispatcher (dispatch.py: unwrap, run, wrap) and ShardingPropagator
+(here: rule -> Sharding -> Plan), without its special cases. `build_plan` asks the op's rule for
+its Shardings (ops/), keeps the cheapest under the cost model (`choose`), runs the op once on meta
+tensors of the global shapes for the output metadata (`_output_metas`) and checks that in-place
+ops keep their placements. An op without a rule runs its decomposition (ops/decompositions.py) or,
+inside replicate_fallback(), on inputs gathered to Replicate. Nothing here touches a process group
+or a local tensor: planning is pure spec math, identical on every rank.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch._ops import OpOverload
+
+from .ops import RULES, OpCall, Sharding, rule_file_for
+from .ops import foreach as foreach_ops
+from .ops import random as random_ops
+from .ops.decompositions import Decomposition, find_decomposition
+from .ops.registry import LOCAL_SHAPE, LOCAL_STRIDE, LocalImpl, ScalarTensor
+from .placements import Placement, Replicate, Shard
+from .redistribute import redistribute_seconds
+from .spec import DTensorSpec, TensorMeta, dense_stride_like
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """A cached decision: where inputs must go and what the outputs are."""
+
+    input_placements: tuple[tuple[Placement, ...] | None, ...]  # per flat DTensor input; None: as is
+    output_specs: tuple[DTensorSpec | None, ...]  # per tensor output leaf
+    redistributes: bool
+    random: bool
+    returns: str  # "new" (wrap outputs), "self" (in-place: args[0]) or "out" (kwargs["out"])
+    local_op: OpOverload | None = None  # run this instead of the op on the local tensors
+    local_args: tuple | None = None  # positional args of the local call; a DTensorSpec: that arg's local
+    local_impl: LocalImpl | None = None  # runs instead of the local op (Sharding.local_impl)
+    input_specs: tuple[DTensorSpec, ...] = ()  # input specs after redistribution, for local_impl
+    local_tensor_positions: tuple[int, ...] = ()  # where local_args holds a DTensorSpec placeholder
+    plain: bool = True  # the local op is the op itself, on the op's own args (no special case)
+    relayout: tuple[int, ...] = ()  # outputs whose kernel lays them out unlike their global strides
+    decomposition: Decomposition | None = None  # run this on the op's own DTensor args instead (no rule)
+    note: str = ""  # how a plan without a rule runs, for the MESHTRAIN_DEBUG log
+
+
+class PlanCache:
+    """The plans decided so far, by dispatch's cache key, and the ops replicate_fallback() has
+    warned about (each once). The dispatcher reads `plans` directly: one dict lookup per op."""
+
+    __slots__ = ("plans", "warned")
+
+    def __init__(self) -> None:
+        self.plans: dict[tuple, Plan] = {}
+        self.warned: set[OpOverload] = set()
+
+    def store(self, key: tuple, plan: Plan) -> None:
+        """Keep `plan` for `key`; a key with an unhashable static arg is decided again each call."""
+        try:
+            self.plans[key] = plan
+        except TypeError:
+            pass
+
+    def __len__(self) -> int:
+        return len(self.plans)
+
+    def __iter__(self) -> Iterator[tuple]:
+        return iter(self.plans)
+
+    def __delitem__(self, key: tuple) -> None:
+        del self.plans[key]
+
+
+def build_plan(op: OpOverload, key_args: tuple, key_kwargs: dict, cache: PlanCache, *, fallback: bool = False) -> Plan:
+    """Decide how `op` runs on inputs with these specs and static args (dispatch's cache key).
+
+    The op's rule offers Shardings and `choose` keeps the cheapest; an op without a rule runs its
+    decomposition, or (with `fallback`, inside replicate_fallback()) on inputs gathered to
+    Replicate, warning once per op through `cache`; otherwise it raises, naming its rule file.
+    """
+    call = OpCall(op, key_args, key_kwargs)
+    specs = call.specs
+    groups = _check_same_mesh(op, call)
+    if groups is not None:  # a foreach op over several meshes: once per mesh
+        run = functools.partial(foreach_ops.run_per_mesh, op, groups)
+        return _decomposition_plan(call, run, f"lists on {len(groups)} meshes: one call per mesh")
+    rule = RULES.get(op)
+    if rule is None:
+        decomposition = find_decomposition(op)
+        if decomposition is not None:
+            return _decomposition_plan(call, decomposition, "no sharding rule: running its decomposition")
+        if fallback:
+            return _fallback_plan(op, call, cache)
+        raise NotImplementedError(
+            f"no sharding rule for {op} with placements "
+            f"{tuple(tuple(str(p) for p in s.placements) for s in specs)}; rules for this family live in "
+            f"{rule_file_for(op)} (or wrap the call in parallelisms.dtensor.dispatch.replicate_fallback())"
+        )
+    choice = choose(call, rule(call))
+    return _finish_plan(call, choice)
+
+
+def _decomposition_plan(call: OpCall, decomposition: Decomposition, how: str) -> Plan:
+    """A plan that hands the op's DTensor args to `decomposition` (ops/decompositions.py)."""
+    inputs = (None,) * len(call.specs)
+    return Plan(
+        inputs, (), redistributes=False, random=False, returns="new", plain=False, decomposition=decomposition, note=how
+    )
+
+
+def choose(call: OpCall, candidates: Sharding | list[Sharding]) -> Sharding:
+    """The candidate whose input redistributions cost least under the cost model (cost.py); ties
+    keep more outputs sharded.
+
+    A Partial output's later reduction is not added here: the op that consumes it prices that
+    reduction as its own input redistribution, where the cheapest resolution (a reduce_scatter
+    into a Shard, or an all_reduce) is known. Forecasting it here too counted it twice and, on the
+    hand-sharded Llama of tests/dtensor/test_comm_cost.py, traded one deferred reduce for several
+    eager gathers (198 collectives instead of 152 on 2 ranks).
+    """
+    if isinstance(candidates, Sharding):
+        return candidates
+    if not candidates:
+        raise NotImplementedError(f"the rule for {call.op} found no legal sharding for these placements")
+    if call.specs[0].mesh.get_coordinate() is None:  # off the mesh: nothing moves, any choice will do
+        return candidates[0]
+    specs = call.specs
+    return min(candidates, key=lambda s: (redistribute_cost(specs, s.inputs), -_sharded_outputs(s)))
+
+
+def _sharded_outputs(s: Sharding) -> int:
+    return sum(isinstance(p, Shard) for out in s.outputs if out for p in out)
+
+
+def redistribute_cost(specs: list[DTensorSpec], targets: tuple) -> float:
+    """Seconds (cost.py's α–β model) to move every input to its target, even shards assumed:
+    every rank must compute the same cost and so pick the same candidate, or their collectives
+    would not match."""
+    return sum(redistribute_seconds(spec, target) for spec, target in zip(specs, targets))
+
+
+def _finish_plan(call: OpCall, choice: Sharding) -> Plan:
+    op, specs = call.op, call.specs
+    if len(choice.inputs) != len(specs):
+        raise AssertionError(f"rule for {op} returned {len(choice.inputs)} input placements for {len(specs)} inputs")
+    input_specs = [
+        spec if target is None else spec.with_placements(target) for spec, target in zip(specs, choice.inputs)
+    ]
+    metas = _output_metas(call, input_specs)
+    if len(metas) != len(choice.outputs):
+        raise AssertionError(f"rule for {op} returned {len(choice.outputs)} output placements for {len(metas)} outputs")
+    mesh = specs[0].mesh
+    output_specs = tuple(
+        None if meta is None or placements is None else DTensorSpec(mesh, tuple(placements), meta)
+        for meta, placements in zip(metas, choice.outputs)
+    )
+    _check_mutation(op, call, specs, choice, output_specs)
+    redistributes = any(t is not None and t != s.placements for s, t in zip(specs, choice.inputs))
+    local_args = _resolve_local_args(choice.local_args, output_specs)
+    random = random_ops.is_random(op)
+    if mesh.get_coordinate() is None:  # off the mesh: no shard to compute on, default outputs as torch
+        return Plan(
+            input_placements=(None,) * len(specs),
+            output_specs=output_specs,
+            redistributes=False,
+            random=False,
+            returns=_returns(op, call),
+            local_impl=_off_mesh_outputs,
+            plain=False,
+        )
+    return Plan(
+        input_placements=tuple(choice.inputs),
+        output_specs=output_specs,
+        redistributes=redistributes,
+        random=random,
+        returns=_returns(op, call),
+        local_op=choice.local_op,
+        local_args=local_args,
+        local_impl=choice.local_impl,
+        input_specs=tuple(input_specs) if choice.local_impl is not None else (),
+        local_tensor_positions=tuple(i for i, a in enumerate(local_args or ()) if isinstance(a, DTensorSpec)),
+        plain=choice.local_op is None and local_args is None and choice.local_impl is None and not random,
+    )
+
+
+def _off_mesh_outputs(local_args: list, local_kwargs: dict, input_specs: tuple, output_specs: tuple) -> Any:
+    """What an op gives on a rank outside its mesh: empty shards, and zero for 0-d outputs (as torch)."""
+    outs = [
+        None
+        if spec is None
+        else torch.zeros((), dtype=spec.dtype)
+        if spec.ndim == 0
+        else torch.empty(0, dtype=spec.dtype, device=spec.mesh.device_type)
+        for spec in output_specs
+    ]
+    return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def _resolve_local_args(local_args: tuple | None, output_specs: tuple) -> tuple | None:
+    """Sharding.local_args with LOCAL_SHAPE / LOCAL_STRIDE made this rank's shape / strides of output 0."""
+    if local_args is None:
+        return None
+    if not any(a is LOCAL_SHAPE or a is LOCAL_STRIDE for a in local_args):
+        return tuple(local_args)
+    local_shape = list(output_specs[0].local_shape_and_offset()[0])
+    local_stride = list(dense_stride_like(output_specs[0].stride, local_shape))
+    return tuple(local_shape if a is LOCAL_SHAPE else local_stride if a is LOCAL_STRIDE else a for a in local_args)
+
+
+def _output_metas(call: OpCall, input_specs: list[DTensorSpec]) -> list[TensorMeta | None]:
+    """Global output metadata: run the op on meta tensors of the global shapes."""
+    if not any("Tensor" in str(r.type) for r in call.op._schema.returns):
+        return []
+    it = iter(input_specs)
+
+    def to_meta(a: Any) -> Any:
+        if isinstance(a, DTensorSpec):
+            spec = next(it)
+            return torch.empty_strided(spec.shape, spec.stride, dtype=spec.dtype, device="meta")
+        if isinstance(a, ScalarTensor):
+            return torch.zeros((), dtype=a.dtype, device="meta")
+        if isinstance(a, tuple) and any(isinstance(x, (DTensorSpec, ScalarTensor)) for x in a):
+            return [to_meta(x) for x in a]
+        return a
+
+    meta_args = [to_meta(a) for a in call.args]
+    meta_kwargs = {k: to_meta(v) for k, v in call.kwargs.items()}
+    if meta_kwargs.get("device") is not None:  # `_to_copy(..., device=cpu)` would copy out of meta
+        meta_kwargs["device"] = "meta"
+    out = call.op(*meta_args, **meta_kwargs)
+    leaves = out if isinstance(out, (tuple, list)) else [out]
+    return [TensorMeta(o.shape, tuple(o.stride()), o.dtype) if isinstance(o, torch.Tensor) else None for o in leaves]
+
+
+def _check_same_mesh(op: OpOverload, call: OpCall) -> list[list[int]] | None:
+    """None when every DTensor input shares one mesh. A foreach op may pair up list items on several
+    meshes: its list indices grouped by mesh (foreach.mesh_groups). Any other op raises."""
+    specs = call.specs
+    if not specs:
+        raise AssertionError(f"{op} reached DTensor dispatch without DTensor inputs")
+    mesh = specs[0].mesh
+    for s in specs[1:]:
+        if s.mesh != mesh:
+            if op in foreach_ops.FOREACH_OPS:
+                return foreach_ops.mesh_groups(call)
+            raise ValueError(
+                f"{op}: DTensor inputs live on different meshes ({mesh} and {s.mesh}); "
+                f"redistribute them onto one mesh first"
+            )
+    return None
+
+
+def _check_mutation(op: OpOverload, call: OpCall, specs, choice: Sharding, output_specs) -> None:
+    """In-place and out= ops write into an existing DTensor: its placements may not change."""
+    schema = op._schema
+    if not schema.is_mutable:
+        return
+    for i, arg in enumerate(schema.arguments):
+        info = arg.alias_info
+        if info is None or not info.is_write:
+            continue
+        value = call.args[i] if i < len(call.args) and not arg.kwarg_only else call.kwargs.get(arg.name)
+        if not isinstance(value, DTensorSpec):
+            continue
+        index = specs.index(value) if value in specs else None
+        target = choice.inputs[index] if index is not None else None
+        if target is not None and target != value.placements:
+            raise RuntimeError(
+                f"{op} writes into {arg.name} with placements {tuple(map(str, value.placements))}, but "
+                f"running it needs {tuple(map(str, target))}; redistribute {arg.name} out of place first "
+                f"(e.g. x = x.redistribute(...)) "
+            )
+
+
+def _fallback_plan(op: OpOverload, call: OpCall, cache: PlanCache) -> Plan:
+    """Every input gathered to Replicate, every output Replicate (replicate_fallback())."""
+    if op not in cache.warned:
+        cache.warned.add(op)
+        logger.warning("no sharding rule for %s: gathering its inputs to Replicate (replicate_fallback)", op)
+    r = (Replicate(),) * call.mesh_ndim
+    mutated = [a for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    if mutated:
+        raise NotImplementedError(f"replicate_fallback cannot run in-place op {op}; it needs a sharding rule")
+    n_out = len(_output_metas(call, [s.with_placements(r) for s in call.specs]))
+    return _finish_plan(call, Sharding(tuple(r for _ in call.specs), tuple(r for _ in range(n_out))))
+
+
+def _returns(op: OpOverload, call: OpCall) -> str:
+    """What the op hands back: fresh outputs, its mutated self (`add_`), or its out= tensor."""
+    schema = op._schema
+    if not schema.is_mutable or not schema.returns:
+        return "new"
+    if "out" in call.kwargs and isinstance(call.kwargs["out"], DTensorSpec):
+        return "out"
+    first = schema.arguments[0]
+    if first.alias_info is not None and first.alias_info.is_write and isinstance(call.args[0], DTensorSpec):
+        return "self"
+    return "new"
