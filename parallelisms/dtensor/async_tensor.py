@@ -66,6 +66,12 @@ class PendingTensor(torch.Tensor):
     def __repr__(self) -> str:  # type: ignore[override]
         return f"PendingTensor({self.wait()})"
 
+    def tolist(self) -> Any:  # not an aten op: wait here
+        return self.wait().tolist()
+
+    def numpy(self, *, force: bool = False) -> Any:  # type: ignore[override]
+        return self.wait().numpy(force=force)
+
     def __tensor_flatten__(self) -> tuple[list[str], _Pending]:
         return ["elem"], self.pending
 

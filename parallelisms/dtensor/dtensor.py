@@ -142,7 +142,8 @@ class DTensor(torch.Tensor):
 
         The same placements return `self` unless autograd records the call: then, as in torch, the
         result's grad is moved back to our placements (e.g. a Partial grad is reduced).
-        `async_op` is accepted for API parity; collectives complete before this returns.
+        `async_op=True` returns before the last collective completes: the shard is waited for when
+        an op first reads it (as torch's AsyncCollectiveTensor), so compute in between overlaps it.
         """
         spec = self._spec
         if device_mesh is not None and device_mesh != spec.mesh:
@@ -159,7 +160,8 @@ class DTensor(torch.Tensor):
         check_target(spec, target)
         if needs_grad:  # even to the same placements: backward moves the grad back to ours (as torch)
             return Redistribute.apply(self, target, async_op)
-        return DTensor(redistribute_local(self._local_tensor, spec, target), spec.with_placements(target))
+        local = redistribute_local(self._local_tensor, spec, target, async_op=async_op)
+        return DTensor(local, spec.with_placements(target))
 
     def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
         """The whole global tensor on every rank (all-gathers / all-reduces as needed)."""
@@ -242,7 +244,7 @@ class Redistribute(torch.autograd.Function):
     def forward(ctx, input: DTensor, dst_placements: tuple[Placement, ...], async_op: bool = False) -> DTensor:
         src: DTensorSpec = input._spec
         ctx.src_placements = src.placements
-        local = redistribute_local(input._local_tensor, src, dst_placements)
+        local = redistribute_local(input._local_tensor, src, dst_placements, async_op=async_op)
         return DTensor(local, src.with_placements(dst_placements), requires_grad=input.requires_grad)
 
     @staticmethod

@@ -161,17 +161,28 @@ def _group_bytes(spec: DTensorSpec, current: Sequence[Placement], mesh_dim: int)
 
 
 def redistribute_local(
-    local: torch.Tensor, src: DTensorSpec, dst_placements: tuple[Placement, ...], *, is_backward: bool = False
+    local: torch.Tensor,
+    src: DTensorSpec,
+    dst_placements: tuple[Placement, ...],
+    *,
+    is_backward: bool = False,
+    async_op: bool = False,
 ) -> torch.Tensor:
-    """Run the planned transitions on this rank's shard; returns the new local tensor."""
+    """Run the planned transitions on this rank's shard; returns the new local tensor.
+
+    `async_op`: the last collective returns without waiting (a PendingTensor, async_tensor.py);
+    earlier ones feed the next step and so complete first.
+    """
     if src.placements == dst_placements:
         return local
     mesh = src.mesh
     coordinate = mesh.get_coordinate()
     if coordinate is None:  # off the mesh: no shard to move
         return local
-    for step in plan_transitions(src, dst_placements):
-        local = run_transition(local, step, mesh, coordinate[step.mesh_dim], is_backward=is_backward)
+    steps = plan_transitions(src, dst_placements)
+    for i, step in enumerate(steps):
+        last = async_op and i == len(steps) - 1
+        local = run_transition(local, step, mesh, coordinate[step.mesh_dim], is_backward=is_backward, async_op=last)
     return conform_layout(local, src)
 
 
@@ -204,7 +215,7 @@ def _is_contiguous_stride(shape: torch.Size, stride: tuple[int, ...]) -> bool:
 
 
 def run_transition(
-    local: torch.Tensor, step: Transition, mesh: DeviceMesh, index: int, *, is_backward: bool
+    local: torch.Tensor, step: Transition, mesh: DeviceMesh, index: int, *, is_backward: bool, async_op: bool = False
 ) -> torch.Tensor:
     """Take this rank's shard (at coordinate `index` of the step's mesh dim) through `step`."""
     m = step.mesh_dim
@@ -214,12 +225,14 @@ def run_transition(
     kind, src, dst = step.kind, step.src, step.dst
     if kind == ALL_GATHER:
         dim = cast(Shard, src).dim
-        return collectives.all_gather(local, dim, mesh.get_group(m), chunk_sizes(step.logical_shape[dim], n))
+        sizes = chunk_sizes(step.logical_shape[dim], n)
+        return collectives.all_gather(local, dim, mesh.get_group(m), sizes, async_op=async_op)
     if kind == ALL_REDUCE:
-        return collectives.all_reduce(local, cast(Partial, src).reduce_op, mesh.get_group(m), n)
+        return collectives.all_reduce(local, cast(Partial, src).reduce_op, mesh.get_group(m), n, async_op=async_op)
     if kind == REDUCE_SCATTER:
+        reduce_op = cast(Partial, src).reduce_op
         return collectives.reduce_scatter(
-            local, cast(Shard, dst).dim, cast(Partial, src).reduce_op, mesh.get_group(m), index
+            local, cast(Shard, dst).dim, reduce_op, mesh.get_group(m), index, async_op=async_op
         )
     if kind == ALL_TO_ALL:
         return collectives.all_to_all(
