@@ -57,6 +57,9 @@ RING_VOLUME: dict[str, Callable[[float, int], float]] = {
 }
 
 
+CALL_SECONDS = 1e-12  # a transition on a group of one: no data moves, a Python call still runs
+
+
 @dataclass(frozen=True, slots=True)
 class LinkCost:
     """α (seconds per collective step) and β (bytes per second one rank sends) of a link."""
@@ -118,8 +121,8 @@ def collective_seconds(kind: str, nbytes: float, mesh: DeviceMesh, mesh_dim: int
     `nbytes` (what the group works on): a collective costs α once (the backend pipelines a ring's
     steps) plus its RING_VOLUME over β; anything else is a local copy."""
     n = mesh.shape[mesh_dim]
-    if n == 1:
-        return 0.0
+    if n == 1:  # moves nothing, but the call is not free: plans that skip it must still win ties
+        return CALL_SECONDS
     model = cost_model()
     volume = RING_VOLUME.get(kind)
     if volume is None:  # a local chunk or partition (or a transition redistribute refuses)
