@@ -69,7 +69,7 @@ class PendingTensor(torch.Tensor):
     def tolist(self) -> Any:  # not an aten op: wait here
         return self.wait().tolist()
 
-    def numpy(self, *, force: bool = False) -> Any:  # type: ignore[override]
+    def numpy(self, *, force: bool = False) -> Any:
         return self.wait().numpy(force=force)
 
     def __tensor_flatten__(self) -> tuple[list[str], _Pending]:

@@ -15,7 +15,7 @@ import dataclasses
 import logging
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +28,7 @@ from .ops import random as random_ops
 from .ops.registry import ScalarTensor, iter_flat
 from .placements import Placement, Replicate
 from .planning import Plan, PlanCache, build_plan
-from .redistribute import conform_layout, plan_transitions, redistribute_local
+from .redistribute import conform_layout, layout_mismatch, plan_transitions, redistribute_local
 from .spec import DTensorSpec, TensorMeta
 
 logger = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ def _cache_plan(key: tuple, plan: Plan, out: Any) -> tuple[Plan, Any]:
         relayout = tuple(
             i
             for i, (spec, leaf) in enumerate(zip(plan.output_specs, leaves))
-            if spec is not None and isinstance(leaf, torch.Tensor) and _disagrees(spec, leaf)
+            if spec is not None and isinstance(leaf, torch.Tensor) and layout_mismatch(leaf, spec)
         )
         if relayout:
             plan = dataclasses.replace(plan, relayout=relayout, plain=False)
@@ -117,10 +117,6 @@ def _cache_plan(key: tuple, plan: Plan, out: Any) -> tuple[Plan, Any]:
 def _aliases(op: OpOverload) -> bool:
     """Outputs that are views of inputs keep their layout (copying them would break aliasing)."""
     return any(r.alias_info is not None for r in op._schema.returns)
-
-
-def _disagrees(spec: DTensorSpec, local: torch.Tensor) -> bool:
-    return conform_layout(local, spec) is not local
 
 
 def _relayout(out: Any, plan: Plan) -> Any:
@@ -278,41 +274,34 @@ def _log_redistribute(op: OpOverload, index: int, spec: DTensorSpec, target: tup
 
 
 @contextmanager
-def plain_tensors_as_replicate(ops: frozenset[OpOverload]) -> Iterator[None]:
+def _option(name: str, value: Any) -> Iterator[None]:
+    """OPTIONS.<name> = value within the context (nests: the previous value comes back)."""
+    previous = getattr(OPTIONS, name)
+    setattr(OPTIONS, name, value)
+    try:
+        yield
+    finally:
+        setattr(OPTIONS, name, previous)
+
+
+def plain_tensors_as_replicate(ops: frozenset[OpOverload]) -> AbstractContextManager[None]:
     """Within the context, plain tensor args of `ops` count as Replicate DTensors on the mesh of
     the op's first DTensor arg, instead of raising (torch's loss_parallel takes plain targets so)."""
-    previous = OPTIONS.plain_as_replicate
-    OPTIONS.plain_as_replicate = previous | ops
-    try:
-        yield
-    finally:
-        OPTIONS.plain_as_replicate = previous
+    return _option("plain_as_replicate", OPTIONS.plain_as_replicate | ops)
 
 
-@contextmanager
-def implicit_replication() -> Iterator[None]:
+def implicit_replication() -> AbstractContextManager[None]:
     """Within the context, every plain tensor mixed with DTensors counts as Replicate (torch's
-    `torch.distributed.tensor.experimental.implicit_replication`)."""
-    previous = OPTIONS.implicit_replication
-    OPTIONS.implicit_replication = True
-    try:
-        yield
-    finally:
-        OPTIONS.implicit_replication = previous
+    experimental `implicit_replication`, of the same name and behaviour)."""
+    return _option("implicit_replication", True)
 
 
-@contextmanager
-def replicate_fallback() -> Iterator[None]:
+def replicate_fallback() -> AbstractContextManager[None]:
     """Ops without a rule gather their inputs to Replicate and return Replicate outputs.
 
     Correct but communication-heavy; a warning names each op once so a rule can be written.
     """
-    previous = OPTIONS.replicate_fallback
-    OPTIONS.replicate_fallback = True
-    try:
-        yield
-    finally:
-        OPTIONS.replicate_fallback = previous
+    return _option("replicate_fallback", True)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Experimental APIs, as torch.distributed.tensor.experimental: `implicit_replication`."""
+"""Experimental APIs, named as in torch DTensor's experimental module: `implicit_replication`."""
 
 from .dispatch import implicit_replication
 

@@ -194,14 +194,21 @@ def conform_layout(local: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
     strides stay as they are because every rank has the same ones (they pick the decomposition, and
     so the collectives); the shard moves. Free for the common case, contiguous everywhere.
     """
-    if local.is_contiguous() and _is_contiguous_stride(spec.shape, spec.stride):
-        return local
-    if local.numel() == 0 or local.ndim != spec.ndim or not is_dense(spec.shape, spec.stride):
-        return local  # a strided (expanded, sliced) global view has no dense order to follow
-    want = dense_stride_like(spec.stride, local.shape)
-    if stride_order(local.shape, local.stride()) == stride_order(local.shape, want):
+    want = layout_mismatch(local, spec)
+    if want is None:
         return local
     return torch.empty_strided(local.shape, want, dtype=local.dtype, device=local.device).copy_(local)
+
+
+def layout_mismatch(local: torch.Tensor, spec: DTensorSpec) -> tuple[int, ...] | None:
+    """The strides `local` should have to follow `spec`'s dim order, or None when it already does
+    (or when `spec`'s strides are not dense: an expanded or sliced view has no order to follow)."""
+    if local.is_contiguous() and _is_contiguous_stride(spec.shape, spec.stride):
+        return None
+    if local.numel() == 0 or local.ndim != spec.ndim or not is_dense(spec.shape, spec.stride):
+        return None
+    want = dense_stride_like(spec.stride, local.shape)
+    return None if stride_order(local.shape, local.stride()) == stride_order(local.shape, want) else want
 
 
 @lru_cache(maxsize=4096)
