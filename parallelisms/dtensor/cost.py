@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
-from .placements import Partial, Placement, Replicate, Shard
+from .placements import Partial, Placement, Replicate, Shard, _StridedShard
 
 if TYPE_CHECKING:
     from .device_mesh import DeviceMesh
@@ -44,6 +44,8 @@ TRANSITIONS: dict[tuple[type[Placement], type[Placement]], str] = {
     (Replicate, Shard): LOCAL_CHUNK,
     # sum: v / n; norm<p>: v / n**(1/p); avg/min/max: v; prod: v on the first rank, 1 on the others
     (Replicate, Partial): LOCAL_PARTITION,
+    (_StridedShard, Replicate): ALL_GATHER,  # of the pieces the later mesh dims made
+    (Replicate, _StridedShard): LOCAL_CHUNK,
 }
 
 # Bytes one rank sends in each collective on a tensor of `nbytes` (what its group of n works on).

@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from . import collectives
 from .device_mesh import DeviceMesh, current_mesh
-from .placements import Partial, Placement, Replicate, Shard, normalize_placements
+from .placements import Partial, Placement, Replicate, Shard, _StridedShard, application_order, normalize_placements
 from .redistribute import check_target, conform_layout, partition_value, redistribute_local
 from .spec import DTensorSpec, TensorMeta
 
@@ -112,7 +112,9 @@ class DTensor(torch.Tensor):
         as torch does) and this rank's shard of it is returned.
         """
         mesh = device_mesh or _require_mesh("from_local")
-        placements = normalize_placements(placements or [Replicate()] * mesh.ndim, local_tensor.ndim, mesh.ndim)
+        placements = normalize_placements(
+            placements or [Replicate()] * mesh.ndim, local_tensor.ndim, mesh.ndim, mesh.shape
+        )
         spec = _spec_from_local(local_tensor, mesh, placements, shape, stride)
         if mesh.get_coordinate() is None:  # off the mesh: an empty shard, as torch
             local_tensor = local_tensor.new_empty(0).requires_grad_(local_tensor.requires_grad)
@@ -153,7 +155,7 @@ class DTensor(torch.Tensor):
             )
         if placements is None:
             raise ValueError("redistribute() needs placements, e.g. [Replicate()] * mesh.ndim")
-        target = normalize_placements(placements, self.ndim, spec.mesh.ndim)
+        target = normalize_placements(placements, self.ndim, spec.mesh.ndim, spec.mesh.shape)
         needs_grad = torch.is_grad_enabled() and self.requires_grad
         if target == spec.placements and not needs_grad:
             return self
@@ -296,7 +298,7 @@ def _spec_from_local(
             raise ValueError("from_local got stride= without shape=; pass both for uneven shards")
         sizes, strides = list(local.shape), list(local.stride())
         for m, p in enumerate(placements):
-            if isinstance(p, Shard):  # even shards: scale the dim and every stride laid out above it
+            if isinstance(p, (Shard, _StridedShard)):  # even shards: scale the dim and the strides above it
                 n = mesh.size(m)
                 for i in range(len(sizes)):
                     if i != p.dim and strides[i] >= strides[p.dim]:
@@ -371,7 +373,7 @@ def distribute_tensor(
     (no communication; the copies must agree).
     """
     mesh = device_mesh or _require_mesh("distribute_tensor")
-    placements = normalize_placements(placements or [Replicate()] * mesh.ndim, tensor.ndim, mesh.ndim)
+    placements = normalize_placements(placements or [Replicate()] * mesh.ndim, tensor.ndim, mesh.ndim, mesh.shape)
     if isinstance(tensor, DTensor):
         return _already_distributed(tensor, mesh, placements)
     spec = DTensorSpec(mesh, placements, TensorMeta(tensor.shape, tuple(tensor.stride()), tensor.dtype))
@@ -385,7 +387,8 @@ def distribute_tensor(
     if tensor.device.type != mesh.device_type:
         tensor = tensor.to(mesh.device_type)
     local = tensor.detach()
-    for m, p in enumerate(placements):
+    for m in application_order(placements):
+        p = placements[m]
         local = _distribute_on_mesh_dim(local, mesh, m, coordinate[m], p, src_data_rank)
     if local is tensor or local._base is tensor or local.data_ptr() == tensor.data_ptr():
         local = local.clone()  # the DTensor owns its shard; never alias the caller's tensor
@@ -413,7 +416,7 @@ def _distribute_on_mesh_dim(
     n = mesh.size(m)
     if src is not None and not 0 <= src < n:
         raise ValueError(f"src_data_rank={src} is out of range for mesh dim {m} of size {n}")
-    if isinstance(p, Shard):
+    if isinstance(p, (Shard, _StridedShard)):
         if src is None or n == 1:
             return _local_chunk(local, p.dim, n, index)
         return collectives.scatter_chunks(local, p.dim, mesh.get_group(m), index, src)

@@ -3,7 +3,9 @@
 `Shard(dim)` follows `torch.chunk`: a dim of size `n` split over `k` ranks gives chunks of
 `ceil(n / k)` elements, so uneven shapes leave a short last shard and possibly empty trailing ones.
 Several mesh dims may shard the same tensor dim; they nest in mesh order (the first mesh dim splits
-the whole dim, the next splits each piece). Nothing here touches a process group.
+the whole dim, the next splits each piece). `_StridedShard` reverses that for its mesh dim: it
+splits the pieces the later mesh dims made (FSDP sharding a TP-sharded parameter, see its doc).
+Nothing here touches a process group.
 """
 
 from __future__ import annotations
@@ -47,6 +49,38 @@ class Shard(Placement):
     @staticmethod
     def local_shard_size_and_offset(size: int, num_chunks: int, index: int) -> tuple[int, int]:
         return chunk_size_and_offset(size, num_chunks, index)
+
+
+@dataclass(frozen=True, slots=True)
+class _StridedShard(Placement):
+    """`dim` split on this mesh dim *after* the later mesh dims that `Shard(dim)` it: shard order
+    differs from mesh order (torch's `_StridedShard`, same name and arguments).
+
+    FSDP over TP needs it. On a (dp, tp) mesh, TP's ColwiseParallel gives a weight `Shard(0)` on tp;
+    FSDP then chunks each TP shard along dim 0 over dp. Rank (d, t) holds chunk d of chunk t of the
+    rows: mesh-order `(Shard(0), Shard(0))` would mean chunk t of chunk d, other rows. With
+    `(_StridedShard(0, split_factor=2), Shard(0))` every rank's shard is still one contiguous range
+    of rows, so the exact (uneven) local shape and global offset follow from `torch.chunk` twice (see
+    `local_shape_and_offset`) and a checkpoint can address it. `split_factor` is the product of the
+    later mesh dims' sizes that shard `dim` (how many pieces this mesh dim splits), checked against
+    the mesh when a DTensor is made.
+
+    Ops see it only through planning.py: ops that keep every element at its index (pointwise, fills,
+    copies, full reductions) run on the shards as they are; any other op first gathers this mesh dim
+    (all-gather: the TP shard), so results are always those of the global tensor.
+    """
+
+    dim: int
+    split_factor: int
+
+    def is_shard(self, dim: int | None = None) -> bool:
+        return dim is None or dim == self.dim
+
+    def __str__(self) -> str:
+        return f"_S({self.dim}, {self.split_factor})"
+
+    def __repr__(self) -> str:
+        return f"_StridedShard(dim={self.dim}, sf={self.split_factor})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,11 +169,14 @@ def chunk_size_and_offset(size: int, num_chunks: int, index: int) -> tuple[int, 
     return max(0, min(full, size - start)), start
 
 
-def normalize_placements(placements: Sequence[Placement], ndim: int, mesh_ndim: int) -> tuple[Placement, ...]:
+def normalize_placements(
+    placements: Sequence[Placement], ndim: int, mesh_ndim: int, mesh_shape: Sequence[int] | None = None
+) -> tuple[Placement, ...]:
     """Validate placements for a tensor of rank `ndim` on a mesh of `mesh_ndim` dims.
 
     Negative shard dims are normalized; a wrong count, a shard dim out of range or mixed Partial
-    reduce ops raise ValueError.
+    reduce ops raise ValueError; so does a `_StridedShard` whose split_factor does not match the
+    later mesh dims of `mesh_shape` that shard its dim.
     """
     placements = tuple(placements)
     if len(placements) != mesh_ndim:
@@ -155,6 +192,11 @@ def normalize_placements(placements: Sequence[Placement], ndim: int, mesh_ndim: 
             if not 0 <= dim < ndim:
                 raise ValueError(f"Shard(dim={p.dim}) is out of range for a {ndim}-D tensor")
             out.append(p if dim == p.dim else Shard(dim))
+        elif isinstance(p, _StridedShard):
+            dim = p.dim + ndim if p.dim < 0 else p.dim
+            if not 0 <= dim < ndim:
+                raise ValueError(f"{p!r} is out of range for a {ndim}-D tensor")
+            out.append(p if dim == p.dim else _StridedShard(dim, p.split_factor))
         elif isinstance(p, Partial):
             reduce_ops.add(p.reduce_op)
             out.append(p)
@@ -162,12 +204,40 @@ def normalize_placements(placements: Sequence[Placement], ndim: int, mesh_ndim: 
             out.append(p)
         else:
             raise TypeError(f"placements must be Shard, Replicate or Partial, got {p!r}")
+    if mesh_shape is not None:
+        _check_split_factors(out, mesh_shape)
     if len(reduce_ops) > 1:
         raise ValueError(
             f"placements {[str(p) for p in out]} mix Partial reduce ops {sorted(reduce_ops)}; "
             f"reduce them to Replicate first, one op per tensor"
         )
     return tuple(out)
+
+
+def _check_split_factors(placements: Sequence[Placement], mesh_shape: Sequence[int]) -> None:
+    for m, p in enumerate(placements):
+        if not isinstance(p, _StridedShard):
+            continue
+        later = [i for i in range(m + 1, len(placements)) if isinstance(placements[i], Shard) and placements[i].dim == p.dim]  # type: ignore[attr-defined]
+        want = 1
+        for i in later:
+            want *= mesh_shape[i]
+        if not later or p.split_factor != want:
+            raise ValueError(
+                f"{p!r} on mesh dim {m} of placements {[str(q) for q in placements]} (mesh {tuple(mesh_shape)}) "
+                f"must split the pieces of later mesh dims that Shard({p.dim}): split_factor should be "
+                f"{want if later else 'their size product, but there are none'}; use Shard({p.dim}) for mesh order"
+            )
+
+
+def application_order(placements: Sequence[Placement]) -> list[int]:
+    """Mesh dims in the order their placements split the tensor: mesh order, `_StridedShard` dims last."""
+    strided = [m for m, p in enumerate(placements) if isinstance(p, _StridedShard)]
+    return [m for m in range(len(placements)) if m not in strided] + strided
+
+
+def is_strided(placements: Sequence[Placement]) -> bool:
+    return any(isinstance(p, _StridedShard) for p in placements)
 
 
 def local_shape_and_offset(
@@ -178,13 +248,15 @@ def local_shape_and_offset(
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Local shard shape and its global offset for the rank at `coordinate` of the mesh.
 
-    Mesh dims that shard the same tensor dim nest in mesh order. Ranks holding an empty shard get
-    size 0 and an offset equal to the dim's size (as torch does), so offsets stay in range.
+    Mesh dims that shard the same tensor dim nest in mesh order, `_StridedShard` dims after the
+    others (`application_order`). Ranks holding an empty shard get size 0 and an offset equal to the
+    dim's size (as torch does), so offsets stay in range.
     """
     local = list(global_shape)
     offset = [0] * len(local)
-    for mesh_dim, p in enumerate(placements):
-        if isinstance(p, Shard):
+    for mesh_dim in application_order(placements):
+        p = placements[mesh_dim]
+        if isinstance(p, (Shard, _StridedShard)):
             size, start = chunk_size_and_offset(local[p.dim], mesh_shape[mesh_dim], coordinate[mesh_dim])
             local[p.dim] = size
             offset[p.dim] = offset[p.dim] + start if size else global_shape[p.dim]
@@ -201,7 +273,16 @@ def logical_shape_before(
     """Shape the tensor has on this rank after sharding by mesh dims `< mesh_dim` only.
 
     This is the 'whole' that mesh dim `mesh_dim` splits: gathering a shard over that mesh dim
-    restores exactly this shape.
+    restores exactly this shape. A `_StridedShard` dim splits what every other dim left, except the
+    strided dims after it.
     """
+    if isinstance(placements[mesh_dim], _StridedShard):
+        whole = [
+            Replicate() if m == mesh_dim or (m > mesh_dim and isinstance(p, _StridedShard)) else p
+            for m, p in enumerate(placements)
+        ]
+        return list(local_shape_and_offset(global_shape, mesh_shape, coordinate, whole)[0])
+    if is_strided(placements):  # strided dims split last, so never before a plain one
+        placements = [Replicate() if isinstance(p, _StridedShard) else p for p in placements]
     local, _ = local_shape_and_offset(global_shape, mesh_shape[:mesh_dim], coordinate[:mesh_dim], placements[:mesh_dim])
     return list(local)

@@ -12,6 +12,7 @@ or a local tensor: planning is pure spec math, identical on every rank.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from collections.abc import Iterator
@@ -26,11 +27,12 @@ from .ops import foreach as foreach_ops
 from .ops import random as random_ops
 from .ops.decompositions import Decomposition, find_decomposition
 from .ops.registry import LOCAL_SHAPE, LOCAL_STRIDE, LocalImpl, ScalarTensor
-from .placements import Placement, Replicate, Shard
+from .placements import Placement, Replicate, Shard, _StridedShard, is_strided
 from .redistribute import redistribute_seconds
 from .spec import DTensorSpec, TensorMeta, dense_stride_like
 
 logger = logging.getLogger(__name__)
+aten = torch.ops.aten
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +91,8 @@ def build_plan(op: OpOverload, key_args: tuple, key_kwargs: dict, cache: PlanCac
     """
     call = OpCall(op, key_args, key_kwargs)
     specs = call.specs
+    if any(is_strided(s.placements) for s in specs):
+        return _strided_plan(call, cache, fallback)
     groups = _check_same_mesh(op, call)
     if groups is not None:  # a foreach op over several meshes: once per mesh
         run = functools.partial(foreach_ops.run_per_mesh, op, groups)
@@ -107,6 +111,123 @@ def build_plan(op: OpOverload, key_args: tuple, key_kwargs: dict, cache: PlanCac
         )
     choice = choose(call, rule(call))
     return _finish_plan(call, choice)
+
+
+# Ops that put each output element at the index of the input elements it reads (or reduce all of
+# them): shard order cannot change their result, so `_StridedShard` inputs run as they are.
+_ORDER_FREE: frozenset[OpOverload] = frozenset(
+    {
+        aten.clone.default,
+        aten.detach.default,
+        aten.alias.default,
+        aten.copy_.default,
+        aten._to_copy.default,
+        aten.zeros_like.default,
+        aten.ones_like.default,
+        aten.empty_like.default,
+        aten.full_like.default,
+        aten.fill_.Scalar,
+        aten.zero_.default,
+        aten.uniform_.default,
+        aten.normal_.default,
+        aten.sum.default,
+        aten.linalg_vector_norm.default,
+        aten.max.default,
+        aten.min.default,
+    }
+)
+
+
+def _order_free(op: OpOverload, call: OpCall) -> bool:
+    if op in _ORDER_FREE or torch.Tag.pointwise in op.tags or op in foreach_ops.FOREACH_OPS:
+        return op is not aten.linalg_vector_norm.default or call.bound.get("dim") in (None, [], ())
+    return False
+
+
+def _strided_plan(call: OpCall, cache: PlanCache, fallback: bool) -> Plan:
+    """A plan for inputs with `_StridedShard` placements (FSDP over TP), which rules never see.
+
+    An order-free op whose tensors at each position hold the same elements (one placement for
+    every same-index input, see `_aligned`) plans as if the strided dims were plain `Shard`s, and
+    its outputs take those inputs' placements back: the shards hold the same elements either way.
+    Every other op plans on the inputs with their strided dims gathered (Replicate), which
+    redistribution then does first, so rules only ever see mesh-order placements.
+    """
+    op, specs = call.op, call.specs
+    aligned = _aligned(call) if _order_free(op, call) else None
+    if aligned is not None:
+        as_shard = _map_specs(call, lambda s: s.with_placements(_unstride(s.placements, Shard)))
+        plan = build_plan(op, as_shard.args, as_shard.kwargs, cache, fallback=fallback)
+        moves = any(t is not None and t != _unstride(s.placements, Shard) for s, t in zip(specs, plan.input_placements))
+        if not moves and plan.decomposition is None and len(plan.output_specs) <= len(aligned):
+            outputs = tuple(
+                o if o is None or o.ndim == 0 else o.with_placements(ref)
+                for o, ref in zip(plan.output_specs, aligned)
+            )
+            return dataclasses.replace(plan, input_placements=(None,) * len(specs), output_specs=outputs)
+    gathered = _map_specs(call, lambda s: s.with_placements(_unstride(s.placements, None)))
+    plan = build_plan(op, gathered.args, gathered.kwargs, cache, fallback=fallback)
+    if plan.decomposition is not None:
+        return plan  # its sub-ops see the strided inputs and plan themselves
+    targets = tuple(
+        (_unstride(s.placements, None) if t is None else t) if is_strided(s.placements) else t
+        for s, t in zip(specs, plan.input_placements)
+    )
+    _check_strided_mutation(call)
+    return dataclasses.replace(plan, input_placements=targets, redistributes=True)
+
+
+def _check_strided_mutation(call: OpCall) -> None:
+    """An op that must gather a strided input cannot write into it (lists of foreach ops included)."""
+    for i, arg in enumerate(call.op._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = call.args[i] if i < len(call.args) and not arg.kwarg_only else call.kwargs.get(arg.name)
+        items = value if isinstance(value, tuple) else (value,)
+        strided = [s for s in items if isinstance(s, DTensorSpec) and is_strided(s.placements)]
+        if strided:
+            raise NotImplementedError(
+                f"{call.op} writes into {arg.name} placed {tuple(map(str, strided[0].placements))} (FSDP over TP "
+                f"shard order) but must gather it to run; run it out of place (x = op(x, ...)), or on "
+                f"x.full_tensor()"
+            )
+
+
+def _aligned(call: OpCall) -> list[tuple[Placement, ...]] | None:
+    """Per output position, the one placement its inputs share (0-d inputs aside), or None when
+    inputs at a position differ (a strided and a plain shard hold different elements). Foreach ops
+    pair list items by index; other ops have one position."""
+    lists = [a for a in call.args if isinstance(a, tuple) and a and isinstance(a[0], DTensorSpec)]
+    if lists:
+        positions = [[lst[i] for lst in lists if i < len(lst)] for i in range(len(lists[0]))]
+        singles = [a for a in call.args if isinstance(a, DTensorSpec)]
+    else:
+        positions, singles = [[a for a in call.specs]], []
+    out = []
+    for items in positions:
+        placements = {s.placements for s in [*items, *singles] if s.ndim > 0}
+        if len(placements) > 1:
+            return None
+        out.append(placements.pop() if placements else items[0].placements)
+    return out
+
+
+def _unstride(placements: tuple[Placement, ...], as_type: type | None) -> tuple[Placement, ...]:
+    """`_StridedShard(d)` -> `Shard(d)` (as_type Shard) or Replicate() (as_type None)."""
+    return tuple(
+        (Shard(p.dim) if as_type is Shard else Replicate()) if isinstance(p, _StridedShard) else p for p in placements
+    )
+
+
+def _map_specs(call: OpCall, fn: Any) -> OpCall:
+    def walk(a: Any) -> Any:
+        if isinstance(a, DTensorSpec):
+            return fn(a)
+        if isinstance(a, tuple):
+            return tuple(walk(x) for x in a)
+        return a
+
+    return OpCall(call.op, walk(call.args), {k: walk(v) for k, v in call.kwargs.items()})
 
 
 def _decomposition_plan(call: OpCall, decomposition: Decomposition, how: str) -> Plan:

@@ -46,7 +46,9 @@ from .placements import (
     Placement,
     Replicate,
     Shard,
+    _StridedShard,
     chunk_size_and_offset,
+    is_strided,
     chunk_sizes,
     local_shape_and_offset,
     logical_shape_before,
@@ -79,6 +81,8 @@ def plan_transitions(src: DTensorSpec, dst_placements: tuple[Placement, ...]) ->
     """
     coordinate = src.mesh.get_coordinate()
     assert coordinate is not None, "ranks outside the mesh hold no shard and never redistribute"
+    if is_strided(src.placements) or is_strided(dst_placements):
+        return _strided_walk(src, dst_placements, coordinate)
     plans = [_walk(src, dst_placements, coordinate, unnest_first=True)]
     if not any(isinstance(p, Shard) for p in src.placements):
         plans.append(_walk(src, dst_placements, coordinate, unnest_first=False))
@@ -110,6 +114,35 @@ def _walk(
     for mesh_dim, target in enumerate(dst_placements):
         if current[mesh_dim] != target:
             move(mesh_dim, target)
+    return tuple(steps)
+
+
+def _strided_walk(
+    src: DTensorSpec, dst_placements: tuple[Placement, ...], coordinate: list[int]
+) -> tuple[Transition, ...]:
+    """Through mesh-order placements: gather the source's `_StridedShard` dims (last split, so
+    first undone: inner -> outer), walk as usual to the target with its strided dims Replicate,
+    then chunk those locally (outer -> inner). Strided dims whose placement stays are kept only
+    when nothing else changes."""
+    shape, mesh_shape = list(src.shape), src.mesh.shape
+    current = list(src.placements)
+    steps: list[Transition] = []
+    for m in reversed(range(len(current))):
+        if isinstance(current[m], _StridedShard):
+            logical = logical_shape_before(shape, mesh_shape, coordinate, current, m)
+            steps.append(Transition(m, current[m], Replicate(), tuple(logical), transition_kind(current[m], Replicate())))
+            current[m] = Replicate()
+    middle = tuple(Replicate() if isinstance(p, _StridedShard) else p for p in dst_placements)
+    plain = src.with_placements(tuple(current))
+    if plain.placements != middle:
+        steps.extend(plan_transitions(plain, middle))
+    current = list(middle)
+    for m, p in enumerate(dst_placements):
+        if isinstance(p, _StridedShard):
+            probe = [*current[:m], p, *current[m + 1 :]]
+            logical = logical_shape_before(shape, mesh_shape, coordinate, probe, m)
+            steps.append(Transition(m, Replicate(), p, tuple(logical), transition_kind(Replicate(), p)))
+            current[m] = p
     return tuple(steps)
 
 
@@ -230,7 +263,7 @@ def run_transition(
     if n == 1:
         return local  # a group of one: every transition is the identity
     kind, src, dst = step.kind, step.src, step.dst
-    if kind == ALL_GATHER:
+    if kind == ALL_GATHER:  # Shard or _StridedShard: both name their dim
         dim = cast(Shard, src).dim
         sizes = chunk_sizes(step.logical_shape[dim], n)
         return collectives.all_gather(local, dim, mesh.get_group(m), sizes, async_op=async_op)

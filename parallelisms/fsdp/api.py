@@ -3,7 +3,9 @@
 `fully_shard(module)` shards every parameter of `module` that no nested fully_shard already manages
 into one group, swaps the module's class for a subclass of (FSDPModule, original class), and hooks the
 module so the group is all-gathered around its forward and backward and reduce-scattered after it.
-Apply it bottom-up: blocks first, then the root.
+Apply it bottom-up: blocks first, then the root. `fully_shard([a, b])` makes one group of several
+modules (torchtitan's `[norm, output]`). Parameters that tensor parallelism already made DTensors on
+a slice of the same root mesh are sharded again on dim 0 of their TP shard (FSDP x TP, param.py).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from parallelisms.dtensor import DeviceMesh, DTensor, init_device_mesh
+from parallelisms.dtensor import DeviceMesh, DTensor, Replicate, Shard, init_device_mesh
 
 from .group import ParamGroup
 from .param import FSDPParam
@@ -48,7 +50,7 @@ class FSDPModule:
 
 
 def fully_shard(
-    module: nn.Module,
+    module: nn.Module | list[nn.Module],
     *,
     mesh: DeviceMesh | None = None,
     reshard_after_forward: bool | None = None,
@@ -60,14 +62,41 @@ def fully_shard(
     whatever its dim names (HSDP, as torch): parameters are `(Replicate(), Shard(0))`, gathered and
     reduce-scattered over dim 1 and averaged over dim 0.
 
+    Parameters that are DTensors on a TP mesh (a slice of the same root mesh as `mesh`, on other
+    dims) become DTensors on the (dp..., tp...) mesh: FSDP shards their TP shards (param.py).
+
     Args:
-        module: the module; parameters managed by a nested fully_shard are left to it.
+        module: the module, or a list of modules sharing one group (gathered before the first of
+            them runs forward, resharded after the last); parameters managed by a nested
+            fully_shard are left to it.
         mesh: 1-D mesh of the data-parallel ranks, or 2-D (replicate, shard); default: all ranks on
             "cuda" if available, else "cpu".
         reshard_after_forward: free the unsharded parameters after forward (all-gather them again
             in backward). None (the default, as in torch): True, except for the root module.
         mp_policy: dtypes of the unsharded parameters, gradient reduction and outputs.
     """
+    modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    if not modules:
+        raise ValueError("fully_shard got an empty list of modules; pass at least one")
+    for m in modules:
+        _check_shardable(m)
+    mesh = mesh if mesh is not None else _default_mesh()
+    _check_mesh(mesh)
+    managed = _managed_params(modules)
+    spec_mesh = _spec_mesh(mesh, managed)
+    params = [FSDPParam(owners, param, mesh, spec_mesh) for param, owners in managed]
+    _check_dtypes(params, mp_policy)
+    group = ParamGroup(params, mesh, mp_policy)
+    for p in params:
+        p.register(p.sharded)
+    state = FSDPState(modules, group, reshard_after_forward, mp_policy)
+    for m in modules:
+        m._fsdp_state = state  # type: ignore[assignment]
+        m.__class__ = _fsdp_class(type(m))
+    return module
+
+
+def _check_shardable(module: nn.Module) -> None:
     if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
         raise ValueError(
             f"fully_shard got a {type(module).__name__}, which has no forward to hook; shard its "
@@ -75,16 +104,6 @@ def fully_shard(
         )
     if isinstance(module, FSDPModule):
         raise ValueError(f"fully_shard was already applied to this {type(module).__name__}; apply it once per module")
-    mesh = mesh if mesh is not None else _default_mesh()
-    _check_mesh(mesh)
-    params = [FSDPParam(owners, param, mesh) for param, owners in _managed_params(module, mesh)]
-    _check_dtypes(params, mp_policy)
-    group = ParamGroup(params, mesh, mp_policy)
-    for p in params:
-        p.register(p.sharded)
-    module._fsdp_state = FSDPState(module, group, reshard_after_forward, mp_policy)  # type: ignore[assignment]
-    module.__class__ = _fsdp_class(type(module))
-    return module
 
 
 def _default_mesh() -> DeviceMesh:
@@ -101,39 +120,66 @@ def _check_mesh(mesh: DeviceMesh) -> None:
         )
 
 
-def _managed_params(module: nn.Module, mesh: DeviceMesh) -> list[tuple[nn.Parameter, list[tuple[nn.Module, str]]]]:
-    """Parameters of `module`'s subtree outside nested fully_shard modules, each with every
+def _managed_params(modules: list[nn.Module]) -> list[tuple[nn.Parameter, list[tuple[nn.Module, str]]]]:
+    """Parameters of the modules' subtrees outside nested fully_shard modules, each with every
     (owner module, name) it is registered under, in registration order."""
     found: dict[int, tuple[nn.Parameter, list[tuple[nn.Module, str]]]] = {}
-    stack: list[tuple[str, nn.Module]] = [("", module)]
+    stack: list[tuple[str, nn.Module]] = [("", m) for m in reversed(modules)]
     while stack:
         prefix, sub = stack.pop()
         for name, param in sub._parameters.items():
             if param is None:
                 continue
-            _check_not_distributed(f"{prefix}{name}", param, mesh)
+            _check_param(f"{prefix}{name}", param)
             found.setdefault(id(param), (param, []))[1].append((sub, name))
         children = [(f"{prefix}{n}.", c) for n, c in sub._modules.items() if c is not None]
         stack.extend(reversed([(fqn, c) for fqn, c in children if not isinstance(c, FSDPModule)]))
     return list(found.values())
 
 
-def _check_not_distributed(fqn: str, param: nn.Parameter, mesh: DeviceMesh) -> None:
+def _check_param(fqn: str, param: nn.Parameter) -> None:
     if not isinstance(param, DTensor):
         if param.ndim == 0:
             raise NotImplementedError(f"fully_shard cannot shard the 0-d parameter {fqn!r}; give it shape (1,)")
         return
-    if param.device_mesh != mesh:
+    bad = [str(p) for p in param.placements if not isinstance(p, (Shard, Replicate))]
+    if bad:
         raise ValueError(
-            f"parameter {fqn!r} is already a DTensor on {param.device_mesh} with placements "
-            f"{[str(p) for p in param.placements]}, but fully_shard got {mesh}; FSDP on top of another "
-            f"parallelism (e.g. TP) is not supported yet: pass plain parameters, or shard with one mesh"
+            f"parameter {fqn!r} is a DTensor with placements {[str(p) for p in param.placements]}; fully_shard "
+            f"shards TP parameters placed Shard or Replicate only (found {bad}). Was fully_shard already "
+            f"applied to a module holding it? apply it once per module, children before parents"
         )
-    raise ValueError(
-        f"parameter {fqn!r} is already a DTensor on the fully_shard mesh {mesh} (placements "
-        f"{[str(p) for p in param.placements]}); was it sharded by another fully_shard? apply fully_shard "
-        f"once per module, children before parents"
-    )
+
+
+def _spec_mesh(mesh: DeviceMesh, managed: list[tuple[nn.Parameter, list]]) -> DeviceMesh | None:
+    """The (dp..., tp...) mesh of FSDP x TP parameters: the root's slice over both sets of dims."""
+    tp_meshes = {p.device_mesh for p, _ in managed if isinstance(p, DTensor)}
+    if not tp_meshes:
+        return None
+    if len(tp_meshes) > 1:
+        raise ValueError(
+            f"fully_shard got parameters on several meshes {sorted(map(str, tp_meshes))}; one group shards "
+            f"parameters of one tensor-parallel mesh (shard the differing submodules separately)"
+        )
+    tp_mesh = tp_meshes.pop()
+    if tp_mesh == mesh:
+        raise ValueError(
+            f"the parameters are already DTensors on the fully_shard mesh {mesh}: was fully_shard applied to "
+            f"this module before (apply it once per module, children before parents)?"
+        )
+    if tp_mesh._root is not mesh._root or mesh.mesh_dim_names is None or tp_mesh.mesh_dim_names is None:
+        raise ValueError(
+            f"parameters are DTensors on {tp_mesh}, which is not a named slice of the fully_shard mesh's root "
+            f"{mesh._root}; slice both from one init_device_mesh(...) world mesh, e.g. "
+            f"fully_shard(m, mesh=world_mesh['dp_shard']) after parallelize_module(m, world_mesh['tp'], plan)"
+        )
+    try:
+        return mesh._root[(*mesh.mesh_dim_names, *tp_mesh.mesh_dim_names)]
+    except ValueError as e:
+        raise ValueError(
+            f"the fully_shard mesh {mesh} and the parameters' TP mesh {tp_mesh} share dims of the root mesh; "
+            f"FSDP and TP need disjoint dims ({e})"
+        ) from None
 
 
 def _check_dtypes(params: list[FSDPParam], policy: MixedPrecisionPolicy) -> None:
@@ -160,4 +206,5 @@ _FSDP_CLASSES: dict[type, type] = {}  # a type cache, like torch's: never holds 
 def _states(module: FSDPModule, recurse: bool) -> list[FSDPState]:
     if not recurse:
         return [module._fsdp_state]
-    return [m._fsdp_state for m in module.modules() if isinstance(m, FSDPModule)]  # type: ignore[attr-defined]
+    states = {id(m._fsdp_state): m._fsdp_state for m in module.modules() if isinstance(m, FSDPModule)}  # type: ignore[attr-defined]
+    return list(states.values())

@@ -13,6 +13,15 @@ it, e.g. `weight.t()` in linear) during forward, so backward must find the data 
 storage after the pre-backward re-gather. Refilling it does not bump the version counter
 (`_unsafe_preserve_version_counter`), otherwise autograd would report an in-place modification.
 
+Over tensor parallelism (FSDP x TP) a parameter arrives as a DTensor on the TP mesh. FSDP then works
+on its TP-local shard exactly as on a plain parameter: it chunks that along dim 0 over the dp ranks,
+and the unsharded form is again the TP DTensor (its local tensor viewing the padded storage), so the
+TP module code runs unchanged. The sharded form is one DTensor on the (dp..., tp...) slice of the
+root mesh with placements (dp..., tp...). When TP already shards dim 0 (ColwiseParallel, a
+vocabulary-parallel embedding), FSDP's dim-0 split applies *inside* the TP shard, against mesh
+order, and its placement is `_StridedShard(0, split_factor=tp)`: each rank's rows are still one
+contiguous range at an exact global offset (see placements._StridedShard).
+
 Slot: in the group's flat buffers every rank contributes `rows * row_numel` elements per parameter
 (its shard flattened and zero-padded), so buffer offsets are identical on every rank.
 """
@@ -26,28 +35,50 @@ from typing import cast
 import torch
 import torch.nn as nn
 
-from parallelisms.dtensor import DeviceMesh, DTensor, Replicate, Shard
+from parallelisms.dtensor import DeviceMesh, DTensor, Placement, Replicate, Shard
+from parallelisms.dtensor.placements import _StridedShard
+from parallelisms.dtensor.spec import DTensorSpec
 
 
 class FSDPParam:
     """One managed parameter: where it is registered, its sharded and unsharded forms."""
 
-    def __init__(self, owners: list[tuple[nn.Module, str]], param: nn.Parameter, mesh: DeviceMesh) -> None:
+    def __init__(
+        self,
+        owners: list[tuple[nn.Module, str]],
+        param: nn.Parameter,
+        mesh: DeviceMesh,
+        spec_mesh: DeviceMesh | None = None,
+    ) -> None:
+        """`mesh`: the dp mesh the collectives run on; `spec_mesh`: the (dp..., tp...) mesh of the
+        sharded DTensor when the group holds TP DTensors (fully_shard builds it). A plain parameter
+        in such a group is replicated over tp, so every parameter of the group shares one mesh."""
         self.owners = owners  # (module, attribute name) pairs; several when a parameter is shared
         self.mesh = mesh
         self.shard_mesh_dim = mesh.ndim - 1  # the last mesh dim shards; a leading one replicates (HSDP)
         self.world = mesh.size(self.shard_mesh_dim)  # ranks one parameter is split over
-        self.placements = (Replicate(),) * (mesh.ndim - 1) + (Shard(0),)
+        self.tp_spec: DTensorSpec | None = param._spec if isinstance(param, DTensor) else None
+        tp_placements: tuple[Placement, ...] = () if self.tp_spec is None else self.tp_spec.placements
+        split = math.prod(
+            self.tp_spec.mesh.size(m) for m, p in enumerate(tp_placements) if isinstance(p, Shard) and p.dim == 0
+        ) if self.tp_spec is not None else 1
+        dp_shard: Placement = _StridedShard(0, split_factor=split) if split > 1 else Shard(0)
+        if self.tp_spec is None and spec_mesh is not None:
+            tp_placements = (Replicate(),) * (spec_mesh.ndim - mesh.ndim)
+        self.placements = (Replicate(),) * (mesh.ndim - 1) + (dp_shard, *tp_placements)
         self.global_shape = param.shape
-        dim0 = param.shape[0]
+        unsharded = param.to_local() if isinstance(param, DTensor) else param
+        self.unsharded_shape = unsharded.shape  # what FSDP chunks: the TP shard under TP
+        dim0 = self.unsharded_shape[0]
         self.rows = -(-dim0 // self.world)  # the largest torch.chunk piece along dim 0
-        self.row_numel = math.prod(param.shape[1:])
+        self.row_numel = math.prod(self.unsharded_shape[1:])
         self.slot_numel = self.rows * self.row_numel  # this parameter's per-rank span in flat buffers
         index = mesh.get_local_rank(self.shard_mesh_dim)
-        local = _local_chunk(param.detach(), self.world, index, _mesh_device(mesh))
+        local = _local_chunk(unsharded.detach(), self.world, index, _mesh_device(mesh))
         self.local_numel = local.numel()
         stride = _contiguous_stride(param.shape)
-        sharded = DTensor.from_local(local, mesh, self.placements, shape=param.shape, stride=stride)
+        self.spec_mesh = spec_mesh or mesh
+        sharded = DTensor.from_local(local, self.spec_mesh, self.placements, shape=param.shape, stride=stride)
         self.sharded = nn.Parameter(sharded, requires_grad=param.requires_grad)
         self.unsharded: nn.Parameter | None = None  # built at the first unshard, in the gather dtype
         self._padded: torch.Tensor | None = None  # (world * rows, *rest) storage behind `unsharded`
@@ -67,6 +98,8 @@ class FSDPParam:
     def all_gather_inputs(self) -> list[torch.Tensor]:
         """This rank's shard flattened, then its zero padding: `slot_numel` elements together."""
         local = self.local_shard().detach().reshape(-1)  # (local_numel,)
+        if self._zeros.device != local.device or self._zeros.dtype != local.dtype:
+            self._zeros = local.new_zeros(self._zeros.numel())  # the shard moved (to_empty after meta init)
         return [local, self._zeros] if self._zeros.numel() else [local]
 
     def fill_unsharded(self, gathered: torch.Tensor) -> None:
@@ -83,9 +116,13 @@ class FSDPParam:
             self._padded.view(self.world, self.slot_numel).copy_(gathered)
 
     def _build_unsharded(self, dtype: torch.dtype, device: torch.device) -> None:
-        padded = torch.empty(self.world * self.rows, *self.global_shape[1:], dtype=dtype, device=device)
+        padded = torch.empty(self.world * self.rows, *self.unsharded_shape[1:], dtype=dtype, device=device)
         self._padded = padded
-        self.unsharded = nn.Parameter(padded[: self.global_shape[0]], requires_grad=self.requires_grad)
+        data: torch.Tensor = padded[: self.unsharded_shape[0]]
+        if self.tp_spec is not None:  # the TP DTensor the module code expects, over this storage
+            tp = self.tp_spec
+            data = DTensor.from_local(data, tp.mesh, tp.placements, shape=tp.shape, stride=tp.stride)
+        self.unsharded = nn.Parameter(data, requires_grad=self.requires_grad)
         if self.requires_grad and self.on_grad_ready is not None:
             on_grad_ready = self.on_grad_ready
             self.unsharded.register_post_accumulate_grad_hook(lambda _: on_grad_ready(self))
@@ -109,6 +146,11 @@ class FSDPParam:
         grad = None if self.unsharded is None else self.unsharded.grad
         if self.unsharded is not None:
             self.unsharded.grad = None
+        if isinstance(grad, DTensor):  # TP: a Partial grad (of a replicated weight) is reduced first
+            assert self.tp_spec is not None
+            if grad.placements != self.tp_spec.placements:
+                grad = grad.redistribute(placements=self.tp_spec.placements)
+            grad = grad.to_local()
         if grad is not None and reduce_dtype is not None:
             grad = grad.to(reduce_dtype)
         if self.accumulated_grad is not None:
@@ -136,16 +178,19 @@ class FSDPParam:
         local_grad = reduced[: self.local_numel].view(local.shape).to(local.dtype)
         if self.sharded.grad is None:
             self.sharded.grad = DTensor.from_local(
-                local_grad, self.mesh, self.placements, shape=self.global_shape, stride=self.sharded.stride()
+                local_grad, self.spec_mesh, self.placements, shape=self.global_shape, stride=self.sharded.stride()
             )
         else:
             cast(DTensor, self.sharded.grad).to_local().add_(local_grad)
 
 
 def _local_chunk(full: torch.Tensor, world: int, index: int, device: torch.device) -> torch.Tensor:
-    """This rank's `torch.chunk` piece of dim 0, as a new contiguous tensor on `device`."""
+    """This rank's `torch.chunk` piece of dim 0, as a new contiguous tensor on `device` (on meta
+    when `full` is: meta-device init allocates shards later, with to_empty)."""
     chunks = torch.chunk(full, world, dim=0) if full.shape[0] else ()
     piece = chunks[index] if index < len(chunks) else full.narrow(0, 0, 0)
+    if full.is_meta:
+        return torch.empty(piece.shape, dtype=piece.dtype, device="meta")
     return piece.to(device).clone(memory_format=torch.contiguous_format)
 
 

@@ -31,9 +31,14 @@ class FSDPState:
     """Per-module fully_shard state; owned by the module as `_fsdp_state`."""
 
     def __init__(
-        self, module: nn.Module, group: ParamGroup, reshard_after_forward: bool | None, policy: MixedPrecisionPolicy
+        self,
+        modules: list[nn.Module],
+        group: ParamGroup,
+        reshard_after_forward: bool | None,
+        policy: MixedPrecisionPolicy,
     ) -> None:
-        self.module = module
+        self.modules = modules  # one, or the several a fully_shard([...]) call grouped
+        self._forward_pending: set[int] = set()  # ids of grouped modules yet to run this forward
         self.group = group
         self.policy = policy
         self.reshard_after_forward = True if reshard_after_forward is None else reshard_after_forward
@@ -45,17 +50,18 @@ class FSDPState:
         self._in_backward = False  # between pre- and post-backward: recomputed forwards keep params
         for p in group.params:
             p.on_grad_ready = self._on_grad_ready
-        module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
-        module.register_forward_hook(self._post_forward, always_call=False)
+        for module in modules:
+            module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
+            module.register_forward_hook(self._post_forward, always_call=False)
 
     # ------------------------------------------------------------------------------ forward
     def _lazy_init(self) -> None:
         if self.is_root is not None:
             return
         self.is_root = True
-        for sub in self.module.modules():
+        for sub in (s for m in self.modules for s in m.modules()):
             state: FSDPState | None = getattr(sub, "_fsdp_state", None)
-            if state is None:
+            if state is None or state in self.tree:
                 continue
             if state is not self:
                 state.is_root = False
@@ -65,6 +71,8 @@ class FSDPState:
 
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         self._lazy_init()
+        if not self._forward_pending:  # the group's first module this forward
+            self._forward_pending = {id(m) for m in self.modules}
         self.group.unshard()
         dtype = self.policy.param_dtype
         if dtype is not None and self.policy.cast_forward_inputs:
@@ -74,10 +82,11 @@ class FSDPState:
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if self._in_backward:  # activation-checkpoint recompute: backward still needs the params
             return output
+        self._forward_pending.discard(id(module))
         outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         if torch.is_grad_enabled() and outputs:
             torch.autograd.graph.register_multi_grad_hook(outputs, self._pre_backward, mode="any")
-        if self.reshard_after_forward or not torch.is_grad_enabled():
+        if not self._forward_pending and (self.reshard_after_forward or not torch.is_grad_enabled()):
             self.group.reshard()  # without grad, nothing will need the unsharded params again
         if self.policy.output_dtype is not None:
             dtype = self.policy.output_dtype

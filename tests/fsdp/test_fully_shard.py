@@ -268,8 +268,8 @@ def _errors() -> list[str]:
     tp_mesh = get_mesh((world, 1), ("dp", "tp"))["tp"]
     lin = nn.Linear(4, 4)
     lin.weight = nn.Parameter(distribute_tensor(lin.weight.detach(), tp_mesh, [Replicate()]))
-    with pytest.raises(ValueError, match="already a DTensor") as e:
-        fully_shard(lin, mesh=get_mesh((world,)))
+    with pytest.raises(ValueError, match="not a named slice of the fully_shard mesh's root") as e:
+        fully_shard(lin, mesh=get_mesh((world,)))  # a TP mesh of another root
     messages.append(str(e.value))
     twice = fully_shard(nn.Linear(4, 4), mesh=get_mesh((world,)))
     with pytest.raises(ValueError, match="already applied"):
@@ -352,4 +352,4 @@ def test_unshard_reshard_by_hand() -> None:
 
 def test_errors_say_what_to_do() -> None:
     messages = run_world(_errors, 2)[0]
-    assert "1-D mesh" in messages[0] and "not supported yet" in messages[1]
+    assert "1-D mesh" in messages[0] and "init_device_mesh" in messages[1]

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch._ops import OpOverload
 
-from ..placements import Partial, Replicate, Shard
+from ..placements import Partial, Replicate, Shard, _StridedShard
 from ..spec import DTensorSpec
 from .registry import OpCall, Placements, Sharding, register
 from .tensor_ops import Row, broadcast_placement, expand, partials
@@ -195,7 +195,7 @@ def shard_index(spec: DTensorSpec) -> int:
     coordinate = spec.mesh.get_coordinate() or [0] * spec.mesh.ndim
     index = 0
     for m, p in enumerate(spec.placements):
-        if isinstance(p, Shard):
+        if isinstance(p, (Shard, _StridedShard)):
             index = index * spec.mesh.size(m) + coordinate[m]
     return index
 
