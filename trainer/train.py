@@ -29,6 +29,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from models.llama3 import Transformer, llama3_configs
 from models.llama3.parallelize import parallelize_llama
 from parallelisms.dtensor import DeviceMesh, DTensor, Partial
+from parallelisms.dtensor.init import layout_invariant_init
 from parallelisms.fsdp import MixedPrecisionPolicy
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.tensor_parallel import loss_parallel
@@ -107,8 +108,9 @@ def check_unsupported(cfg: JobConfig, parallel_dims: ParallelDims) -> None:
         )
 
 
-def build_model(cfg: JobConfig, vocab_size: int, device: torch.device) -> Transformer:
-    """The flavor's Transformer on `device`, its vocabulary the tokenizer's and max_seq_len seq_len."""
+def build_model(cfg: JobConfig, vocab_size: int) -> Transformer:
+    """The flavor's Transformer on the meta device (no memory; `init_model` allocates the shards
+    after parallelization), its vocabulary the tokenizer's and max_seq_len seq_len."""
     if cfg.model.name != "llama3":
         raise ValueError(f"model.name={cfg.model.name!r}: only 'llama3' is available")
     if cfg.model.flavor not in llama3_configs:
@@ -116,10 +118,17 @@ def build_model(cfg: JobConfig, vocab_size: int, device: torch.device) -> Transf
     args = dataclasses.replace(
         llama3_configs[cfg.model.flavor], vocab_size=vocab_size, max_seq_len=cfg.training.seq_len
     )
-    with torch.device(device):
-        model = Transformer(args)
-    model.init_weights(buffer_device=device)
-    return model
+    with torch.device("meta"):
+        return Transformer(args)
+
+
+def init_model(model: Transformer, device: torch.device) -> None:
+    """Allocate this rank's shards on `device` and initialize them. Under one seed the global
+    weights are bitwise the same on every layout and world size (layout_invariant_init), so no
+    seed checkpoint is needed; no rank ever holds more than its shards."""
+    model.to_empty(device=device)
+    with layout_invariant_init():
+        model.init_weights(buffer_device=device)
 
 
 def dp_coordinates(parallel_dims: ParallelDims, world_mesh: DeviceMesh) -> tuple[int, int]:
@@ -176,9 +185,9 @@ def build_components(
 ) -> tuple[nn.Module, torch.optim.Optimizer, LambdaLR, Iterator[tuple[torch.Tensor, torch.Tensor]], float]:
     """The parallelized model, optimizer, lr scheduler, batch iterator and training FLOPs per token."""
     training = cfg.training
-    torch.manual_seed(training.seed)  # identical on every rank: every rank builds the same full model
+    torch.manual_seed(training.seed)  # identical on every rank: the init fills stay in step
     tokenizer = ByteTokenizer()
-    model = build_model(cfg, tokenizer.vocab_size, device)
+    model = build_model(cfg, tokenizer.vocab_size)
     fpt = flops_per_token(
         model, n_layers=model.model_args.n_layers, n_heads=model.model_args.n_heads,
         head_dim=model.model_args.head_dim, seq_len=training.seq_len,
@@ -194,6 +203,7 @@ def build_components(
         ac_mode=cfg.activation_checkpoint.mode,
         mp_policy=mp_policy,
     )
+    init_model(model, device)
     optimizer = build_optimizer(
         model,
         name=cfg.optimizer.name,

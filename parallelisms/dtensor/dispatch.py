@@ -23,12 +23,12 @@ import torch
 from torch._ops import OpOverload
 
 from .device_mesh import DeviceMesh
-from .dtensor import DTensor
+from .dtensor import DTensor, reduced_local
 from .ops import random as random_ops
 from .ops.registry import ScalarTensor, iter_flat
 from .placements import Placement, Replicate
 from .planning import Plan, PlanCache, build_plan
-from .redistribute import conform_layout, layout_mismatch, plan_transitions, redistribute_local
+from .redistribute import conform_layout, layout_mismatch, plan_transitions
 from .spec import DTensorSpec, TensorMeta
 
 logger = logging.getLogger(__name__)
@@ -245,7 +245,7 @@ def _redistribute_inputs(op: OpOverload, args: tuple, kwargs: dict, dtensors: li
             continue
         if DEBUG:
             _log_redistribute(op, i, dt._spec, target)
-        new_locals[id(dt)] = new_locals[id(dt._local_tensor)] = redistribute_local(dt._local_tensor, dt._spec, target)
+        new_locals[id(dt)] = new_locals[id(dt._local_tensor)] = reduced_local(dt, target)
 
     def local_of(a: Any) -> Any:
         if isinstance(a, DTensor):

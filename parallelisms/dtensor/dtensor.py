@@ -29,7 +29,8 @@ class DTensor(torch.Tensor):
 
     _local_tensor: torch.Tensor
     _spec: DTensorSpec
-    __slots__ = ("_local_tensor", "_spec")
+    _reduced: tuple | None  # see reduced_local
+    __slots__ = ("_local_tensor", "_spec", "_reduced")
 
     @staticmethod
     def __new__(cls, local_tensor: torch.Tensor, spec: DTensorSpec, *, requires_grad: bool = False) -> DTensor:
@@ -46,6 +47,7 @@ class DTensor(torch.Tensor):
         )
         r._local_tensor = local_tensor
         r._spec = spec
+        r._reduced = None
         return r
 
     # torch's stub types this C function without the class argument it is called with (torch's
@@ -162,7 +164,7 @@ class DTensor(torch.Tensor):
         check_target(spec, target)
         if needs_grad:  # even to the same placements: backward moves the grad back to ours (as torch)
             return Redistribute.apply(self, target, async_op)
-        local = redistribute_local(self._local_tensor, spec, target, async_op=async_op)
+        local = redistribute_local(self._local_tensor, spec, target, async_op=True) if async_op else reduced_local(self, target)
         return DTensor(local, spec.with_placements(target))
 
     def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
@@ -237,6 +239,30 @@ class _ToLocal(torch.autograd.Function):
         spec: DTensorSpec = ctx.spec
         grad_spec = DTensorSpec(spec.mesh, ctx.grad_placements, TensorMeta(spec.shape, spec.stride, grad.dtype))
         return DTensor(conform_layout(grad, grad_spec), grad_spec), None
+
+
+_MEMO_NUMEL = 4096  # Partial tensors up to this many elements keep their reduction (scalars: norms, losses)
+
+
+def reduced_local(tensor: DTensor, target: tuple[Placement, ...]) -> torch.Tensor:
+    """`tensor`'s local shard moved to `target`; a small Partial tensor remembers the result.
+
+    A grad norm or a loss stays Partial until something needs its value, and then several things
+    do: clip_grad_norm_'s coefficient, then the logger's `full_tensor()`. Remembering the reduced
+    value on the DTensor makes the second read free. The memo is keyed by the target and the
+    version counters of the shard, the DTensor and the reduced tensor, so any in-place change to
+    any of them (through the DTensor or behind its back) recomputes it.
+    """
+    local = tensor._local_tensor
+    memo = tensor._reduced
+    if memo is not None:
+        key, reduced = memo
+        if key == (target, local._version, tensor._version, reduced._version):
+            return reduced
+    out = redistribute_local(local, tensor._spec, target)
+    if local.numel() <= _MEMO_NUMEL and tensor._spec.has_partial():
+        tensor._reduced = ((target, local._version, tensor._version, out._version), out)
+    return out
 
 
 class Redistribute(torch.autograd.Function):

@@ -202,4 +202,13 @@ def nll_backward_impl(local_args, local_kwargs, input_specs, output_specs):
     op = aten.nll_loss_backward.default if x.ndim <= 2 else aten.nll_loss2d_backward.default
     local_weight = weight.narrow(0, start, classes) if weight is not None else None
     local = local_targets(target, ignore_index, classes, start)
-    return op(grad, x, local, local_weight, reduction, LOCAL_IGNORE, total)
+    out = op(grad, x, local, local_weight, reduction, LOCAL_IGNORE, total)
+    if weight is None:
+        # Each row of the global grad_input holds one value, at its target's column, on the rank
+        # that owns it. log_softmax's backward needs the row sums; the same kernel on one class per
+        # row gives them here, bit for bit, on every rank, which saves that backward its all_reduce.
+        one_class = x.new_empty(*x.shape[:1], 1, *x.shape[2:]) if x.ndim >= 2 else x.new_empty(1)
+        kept = torch.where(target == ignore_index, target, torch.zeros_like(target))
+        row_sums = op(grad, one_class, kept, None, reduction, ignore_index, total)
+        out._meshtrain_row_sums = (out._version, row_sums)  # type: ignore[attr-defined]
+    return out
