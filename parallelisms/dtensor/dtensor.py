@@ -254,6 +254,8 @@ def reduced_local(tensor: DTensor, target: tuple[Placement, ...]) -> torch.Tenso
     any of them (through the DTensor or behind its back) recomputes it.
     """
     local = tensor._local_tensor
+    if local.is_inference():  # no version counters to key a memo on
+        return redistribute_local(local, tensor._spec, target)
     memo = tensor._reduced
     if memo is not None:
         key, reduced = memo

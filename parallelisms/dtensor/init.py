@@ -3,8 +3,8 @@
 A model built on the meta device, parallelized (TP, FSDP, any mesh) and then allocated with
 `to_empty` must get the weights one process would have, or runs on different layouts train
 different models and a seed checkpoint becomes necessary (torchtitan's). Inside the context,
-`Tensor.uniform_` and `Tensor.normal_` (and so `nn.init.uniform_`, `normal_`, `trunc_normal_`, ...,
-which call them) fill each element from the blocked counter-based stream behind `rand`/`randn`
+`Tensor.uniform_` and `Tensor.normal_` (and so `nn.init.uniform_`, `normal_`, `trunc_normal_`,
+`kaiming_uniform_`, ..., which draw with them) fill each element from the blocked counter-based stream behind `rand`/`randn`
 (factories.py): the value at a global index depends only on the seed and the index. A DTensor
 draws only its shard's blocks, at its exact global offset (uneven and `_StridedShard` shards
 included); a plain tensor is its own global tensor. Later pointwise steps of an init (erfinv, mul,
@@ -17,9 +17,11 @@ left to torch.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
+from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from .dtensor import DTensor
@@ -39,14 +41,16 @@ class layout_invariant_init(TorchFunctionMode):  # noqa: N801  (used like a func
 def _uniform_(tensor: torch.Tensor, a: float = 0.0, b: float = 1.0, **_: Any) -> torch.Tensor:
     values = _draw(tensor, torch.rand)
     if values is not None:
-        _local(tensor).copy_(values.mul_(b - a).add_(a))
+        with torch.no_grad():
+            _local(tensor).copy_(values.mul_(b - a).add_(a))
     return tensor
 
 
 def _normal_(tensor: torch.Tensor, mean: float = 0.0, std: float = 1.0, **_: Any) -> torch.Tensor:
     values = _draw(tensor, torch.randn)
     if values is not None:
-        _local(tensor).copy_(values.mul_(std).add_(mean))
+        with torch.no_grad():
+            _local(tensor).copy_(values.mul_(std).add_(mean))
     return tensor
 
 
@@ -68,4 +72,35 @@ def _draw(tensor: torch.Tensor, draw: Any) -> torch.Tensor | None:
         return _blocked(draw, base, shape, offset, local.dtype, local.device, tuple(tensor.shape))
 
 
-_FILLS = {torch.Tensor.uniform_: _uniform_, torch.Tensor.normal_: _normal_}
+def _init_normal_(tensor: torch.Tensor, mean: float = 0.0, std: float = 1.0, generator: Any = None) -> torch.Tensor:
+    return _normal_(tensor, mean, std)
+
+
+def _init_uniform_(tensor: torch.Tensor, a: float = 0.0, b: float = 1.0, generator: Any = None) -> torch.Tensor:
+    return _uniform_(tensor, a, b)
+
+
+def _init_kaiming_uniform_(
+    tensor: torch.Tensor, a: float = 0.0, mode: str = "fan_in", nonlinearity: str = "leaky_relu", generator: Any = None
+) -> torch.Tensor:
+    """nn.init.kaiming_uniform_'s bound (He et al. 2015), from the global shape."""
+    gain = nn.init.calculate_gain(nonlinearity, a)
+    bound = math.sqrt(3.0) * gain / math.sqrt(nn.init._calculate_correct_fan(tensor, mode))
+    return _uniform_(tensor, -bound, bound)
+
+
+def _init_constant_(tensor: torch.Tensor, val: float) -> torch.Tensor:
+    with torch.no_grad():
+        return tensor.fill_(val)
+
+
+# Tensor methods, and the nn.init functions that hand themselves to torch-function modes (their
+# inner Tensor calls would then run with this mode switched off, so they are done here instead).
+_FILLS: dict[Any, Any] = {
+    torch.Tensor.uniform_: _uniform_,
+    torch.Tensor.normal_: _normal_,
+    nn.init.normal_: _init_normal_,
+    nn.init.uniform_: _init_uniform_,
+    nn.init.kaiming_uniform_: _init_kaiming_uniform_,
+    nn.init.constant_: _init_constant_,
+}

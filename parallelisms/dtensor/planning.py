@@ -165,6 +165,7 @@ def _strided_plan(call: OpCall, cache: PlanCache, fallback: bool) -> Plan:
                 for o, ref in zip(plan.output_specs, aligned)
             )
             return dataclasses.replace(plan, input_placements=(None,) * len(specs), output_specs=outputs)
+    _check_strided_mutation(call)
     gathered = _map_specs(call, lambda s: s.with_placements(_unstride(s.placements, None)))
     plan = build_plan(op, gathered.args, gathered.kwargs, cache, fallback=fallback)
     if plan.decomposition is not None:
@@ -173,7 +174,6 @@ def _strided_plan(call: OpCall, cache: PlanCache, fallback: bool) -> Plan:
         (_unstride(s.placements, None) if t is None else t) if is_strided(s.placements) else t
         for s, t in zip(specs, plan.input_placements)
     )
-    _check_strided_mutation(call)
     return dataclasses.replace(plan, input_placements=targets, redistributes=True)
 
 

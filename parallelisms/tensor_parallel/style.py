@@ -11,7 +11,7 @@ and outputs are converted and redistributed. Names and defaults mirror torch's t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 
 from ..dtensor import DeviceMesh, DTensor, Placement, Replicate, Shard, distribute_module, distribute_tensor
+from .apply_order import check_param_layout, join_path
 
 
 class ParallelStyle:
@@ -28,6 +29,11 @@ class ParallelStyle:
 
     def apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         raise NotImplementedError
+
+    def param_placements(self, module: nn.Module) -> dict[str, Placement] | None:
+        """The TP placement this style gives each of `module`'s own parameters; None if it leaves
+        parameters alone. parallelize_module checks existing DTensor parameters against it."""
+        return None
 
     _apply = apply  # torch's private name, for code ported from torch
 
@@ -62,13 +68,16 @@ class ColwiseParallel(ParallelStyle):
     output_layouts: Placement | None = None
     use_local_output: bool = True
 
-    def apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+    def param_placements(self, module: nn.Module) -> dict[str, Placement]:
         weight_dim = 1 if isinstance(module, nn.Embedding) else 0
+        # the bias follows the output features
+        return {key: Shard(weight_dim) for key, _ in module.named_parameters(recurse=False)}
+
+    def apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         return _shard_module(
             self,
             module,
             device_mesh,
-            lambda key: Shard(weight_dim),  # the bias follows the output features
             input_layout=self.input_layouts or Replicate(),
             desired_input=Replicate(),
             output_layout=self.output_layouts or Shard(-1),
@@ -86,14 +95,20 @@ class RowwiseParallel(ParallelStyle):
     output_layouts: Placement | None = None
     use_local_output: bool = True
 
+    def param_placements(self, module: nn.Module) -> dict[str, Placement]:
+        embedding = isinstance(module, nn.Embedding)
+        # Linear weight (out, in) shards `in`; the bias is added once, after the reduce
+        return {
+            key: Shard(0) if embedding else Shard(1) if key == "weight" else Replicate()
+            for key, _ in module.named_parameters(recurse=False)
+        }
+
     def apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         embedding = isinstance(module, nn.Embedding)
         return _shard_module(
             self,
             module,
             device_mesh,
-            # Linear weight (out, in) shards `in`; the bias is added once, after the reduce
-            lambda key: Shard(0) if embedding else Shard(1) if key == "weight" else Replicate(),
             input_layout=self.input_layouts or Shard(-1),
             desired_input=Replicate() if embedding else Shard(-1),
             output_layout=self.output_layouts or Replicate(),
@@ -104,18 +119,21 @@ def _shard_module(
     style: ColwiseParallel | RowwiseParallel,
     module: nn.Module,
     mesh: DeviceMesh,
-    placement_of: Callable[[str], Placement],
     *,
     input_layout: Placement,
     desired_input: Placement,
     output_layout: Placement,
 ) -> nn.Module:
-    """Shard a Linear/Embedding's parameters by `placement_of(name)` and hook its input and output."""
+    """Shard a Linear/Embedding's parameters by `style.param_placements` and hook its input and output."""
     _check_module(style, module)
 
     def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+        placements = style.param_placements(mod)
         for key, param in list(mod.named_parameters(recurse=False)):
-            sharded = distribute_tensor(param.data, mesh, [placement_of(key)], src_data_rank=style.src_data_rank)
+            if isinstance(param, DTensor):  # already laid out so (a re-tied weight): keep it, and the tie
+                check_param_layout(join_path(name, key), param, mesh, [placements[key]])
+                continue
+            sharded = distribute_tensor(param.data, mesh, [placements[key]], src_data_rank=style.src_data_rank)
             mod.register_parameter(key, nn.Parameter(sharded, requires_grad=param.requires_grad))
 
     return distribute_module(
@@ -142,8 +160,14 @@ class SequenceParallel(ParallelStyle):
         self.sequence_layout = Shard(sequence_dim)
         self.use_local_output = use_local_output
 
+    def param_placements(self, module: nn.Module) -> dict[str, Placement]:
+        return {key: Replicate() for key, _ in module.named_parameters(recurse=False)}
+
     def _replicate(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
         for key, param in list(module.named_parameters(recurse=False)):
+            if isinstance(param, DTensor):  # already replicated on this mesh (tied), else an error
+                check_param_layout(join_path(name, key), param, mesh, [Replicate()])
+                continue
             # every rank holds identical parameters here (same init), so no broadcast is needed
             replicated = DTensor.from_local(param.data, mesh, [Replicate()], run_check=False)
             module.register_parameter(key, nn.Parameter(replicated, requires_grad=param.requires_grad))

@@ -240,6 +240,8 @@ def partial_cases(mesh_shape) -> list[str]:
     }
     failures = []
     for name, (fn, want, expect) in cases.items():
+        for t in (ps, ps2, pmax, pmin):  # each case pays its own reductions (see test_partial_reduced_once)
+            t._reduced = None
         with CommDebugMode() as comm:
             got = fn()
         placement = ",".join(sorted({str(p) for p in got.placements}))
@@ -252,6 +254,33 @@ def partial_cases(mesh_shape) -> list[str]:
 
 def test_partial_propagates_only_where_valid():
     assert_no_failures(run_on_meshes(partial_cases, (((2,), 2), ((2, 2), 4))))
+
+
+def _reduced_once() -> tuple[int, int, int, bool]:
+    mesh = get_mesh((2,))
+    ps, s = _pieces(mesh, (3,), "sum", 0)
+    with CommDebugMode() as first:
+        a = ps + 1
+    with CommDebugMode() as second:
+        b, full = torch.relu(ps), ps.full_tensor()
+    ps.mul_(2)  # an in-place change: the remembered reduction is stale
+    with CommDebugMode() as third:
+        c = ps.full_tensor()
+    full.add_(1)  # a caller writing into what full_tensor returned must not poison the memo
+    again = ps.full_tensor()
+    ok = (
+        torch.allclose(a.full_tensor(), s + 1)
+        and torch.allclose(b.full_tensor(), torch.relu(s))
+        and torch.allclose(c, 2 * s)
+        and torch.allclose(again, 2 * s)
+    )
+    return first.get_total_counts(), second.get_total_counts(), third.get_total_counts(), ok
+
+
+def test_partial_reduced_once():
+    """A small Partial tensor read several times (a grad norm: clip coefficient, then the log)
+    reduces once; in-place changes to it, or to the value handed out, reduce again."""
+    assert run_world(_reduced_once, 2) == [(1, 0, 1, True)] * 2
 
 
 def in_place_partial_cases() -> list[str]:
