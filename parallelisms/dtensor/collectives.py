@@ -9,7 +9,10 @@ partial ("norm2") is a SUM of |x|**p followed by the p-th root.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import math
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -188,16 +191,47 @@ def all_gather_object(obj: object, group: ProcessGroup) -> list[object]:
     return out
 
 
+@dataclass(slots=True)
+class InFlight:
+    """A flat collective issued with async_op: `wait()` completes it and returns the result.
+
+    gloo runs the collective on its own threads and NCCL on its stream, so compute between the
+    call and `wait()` overlaps it. The input stays referenced until then (the backend reads it).
+    """
+
+    out: torch.Tensor
+    work: Any
+    source: torch.Tensor
+    divisor: int = 1
+
+    def is_completed(self) -> bool:
+        return self.work is None or self.work.is_completed()
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        if self.divisor > 1:  # gloo has no AVG: SUM, then divide (once)
+            self.out.div_(self.divisor)
+            self.divisor = 1
+        return self.out
+
+
 def all_gather_flat(local: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """Every rank's 1-D `local` (all of the same numel), concatenated rank-major: (n * numel,).
 
     FSDP packs a whole parameter group's padded shards into `local`, so one call unshards the group.
     """
+    return start_all_gather_flat(local, group).wait()
+
+
+def start_all_gather_flat(local: torch.Tensor, group: ProcessGroup, *, async_op: bool = False) -> InFlight:
+    """all_gather_flat, returned in flight (`async_op`) or complete."""
     assert local.ndim == 1, f"all_gather_flat takes a 1-D buffer, got shape {tuple(local.shape)}"
-    local = local.contiguous()
+    local = wait_all(local).contiguous()
     out = local.new_empty(group.size() * local.numel())
-    dist.all_gather_single(out, local, group=group)
-    return out
+    work = dist.all_gather_single(out, local, group=group, async_op=async_op)
+    return InFlight(out, work if async_op else None, local)
 
 
 def reduce_scatter_flat(flat: torch.Tensor, reduce_op: str, group: ProcessGroup) -> torch.Tensor:
@@ -205,11 +239,16 @@ def reduce_scatter_flat(flat: torch.Tensor, reduce_op: str, group: ProcessGroup)
 
     `reduce_op` is "sum" or "avg" (a SUM then a division, since gloo has no AVG).
     """
+    return start_reduce_scatter_flat(flat, reduce_op, group).wait()
+
+
+def start_reduce_scatter_flat(flat: torch.Tensor, reduce_op: str, group: ProcessGroup, *, async_op: bool = False) -> InFlight:
+    """reduce_scatter_flat, returned in flight (`async_op`) or complete."""
     n = group.size()
     assert flat.ndim == 1 and flat.numel() % n == 0, f"reduce_scatter_flat needs a 1-D buffer divisible by {n}"
     if reduce_op not in ("sum", "avg"):
         raise ValueError(f"reduce_scatter_flat supports reduce_op 'sum' or 'avg', got {reduce_op!r}")
     flat = flat.contiguous()
     out = flat.new_empty(flat.numel() // n)
-    dist.reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=group)
-    return out.div_(n) if reduce_op == "avg" else out
+    work = dist.reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return InFlight(out, work, flat, n if reduce_op == "avg" else 1)

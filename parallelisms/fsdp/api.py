@@ -27,9 +27,12 @@ class FSDPModule:
 
     _fsdp_state: FSDPState
 
-    def unshard(self) -> None:
-        """All-gather this module's parameters and register them unsharded (not recursive)."""
-        self._fsdp_state.group.unshard()
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather this module's parameters and register them unsharded (not recursive). With
+        `async_op`, return a handle at once; its `wait()` (or this module's forward) finishes it."""
+        group = self._fsdp_state.group
+        group.unshard(async_op=async_op)
+        return UnshardHandle(group) if async_op else None
 
     def reshard(self) -> None:
         """Free the unsharded parameters and register the sharded ones (not recursive)."""
@@ -42,11 +45,44 @@ class FSDPModule:
         for state in _states(self, recurse):
             state.requires_gradient_sync = requires_gradient_sync
 
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """Whether backward frees the unsharded parameters. False keeps them for the next
+        micro-batch (no all-gather); set it True again before the optimizer step's backward, as the
+        step changes only the sharded parameters."""
+        for state in _states(self, recurse):
+            state.reshard_after_backward = reshard_after_backward
+
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """All-gather these modules' parameters in flight when this one's forward starts (instead
+        of the next module in the recorded forward order)."""
+        self._fsdp_state.forward_prefetch = [_state_of(m, "set_modules_to_forward_prefetch") for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """All-gather these modules' parameters in flight when this one's backward starts (instead
+        of the previous module in the recorded forward order)."""
+        self._fsdp_state.backward_prefetch = [_state_of(m, "set_modules_to_backward_prefetch") for m in modules]
+
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Whether forward frees the unsharded parameters (backward then all-gathers them again)."""
         for state in _states(self, recurse):
             state.reshard_after_forward = reshard_after_forward
             state.auto_reshard = False
+
+
+class UnshardHandle:
+    """What `FSDPModule.unshard(async_op=True)` returns: `wait()` lands the all-gather."""
+
+    def __init__(self, group: ParamGroup) -> None:
+        self._group = group
+
+    def wait(self) -> None:
+        self._group.wait_unshard()
+
+
+def _state_of(module: object, where: str) -> FSDPState:
+    if not isinstance(module, FSDPModule):
+        raise ValueError(f"{where} takes fully_shard modules; {type(module).__name__} is not one (fully_shard it first)")
+    return module._fsdp_state
 
 
 def fully_shard(

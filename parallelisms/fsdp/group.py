@@ -8,6 +8,11 @@ and padded to `(world, slot)` the same way, the blocks are concatenated column-w
 takes its `slot` of the result as its sharded gradient. On a 2-D (replicate, shard) mesh (HSDP) the
 collectives run over the shard dim, and the reduced shards are then averaged over the replicate dim
 with one all-reduce.
+
+Both directions can run in flight (`async_op=True`): `unshard` returns once the all-gather is
+issued and `wait_unshard` finishes it; `reduce_grads` returns once the reduce-scatter is issued and
+`finish_reduce` lands the sharded gradients. gloo runs collectives on its own threads and NCCL on
+its stream, so the compute in between overlaps them (state.py decides when: prefetch).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from parallelisms.dtensor import DeviceMesh, collectives
+from parallelisms.dtensor.collectives import InFlight
 
 from .param import FSDPParam
 from .policy import MixedPrecisionPolicy
@@ -35,18 +41,36 @@ class ParamGroup:
             total += p.slot_numel
         self.group_numel = total  # per-rank elements in the flat all-gather / reduce-scatter buffers
         self._waiting: set[int] = set()  # indices of params whose grad this backward has not produced
+        self._gathering: InFlight | None = None  # an all-gather issued, not yet copied out
+        self._reducing: tuple[InFlight, list[FSDPParam]] | None = None  # a reduce-scatter in flight
+
+    @property
+    def is_gathering(self) -> bool:
+        return self._gathering is not None
 
     # ------------------------------------------------------------------------------ parameters
-    def unshard(self) -> None:
-        """All-gather the group (one collective) and register the unsharded parameters."""
+    def unshard(self, *, async_op: bool = False) -> None:
+        """All-gather the group (one collective) and register the unsharded parameters; with
+        `async_op` only issue the all-gather (a prefetch) and leave the rest to `wait_unshard`."""
         if self.is_unsharded or not self.params:
             return
-        inputs = [t for p in self.params for t in p.all_gather_inputs()]
-        flat = torch.cat(inputs)  # (group_numel,)  this rank's padded shards
-        if self.policy.param_dtype is not None:
-            flat = flat.to(self.policy.param_dtype)
+        if self._gathering is None:
+            inputs = [t for p in self.params for t in p.all_gather_inputs()]
+            flat = torch.cat(inputs)  # (group_numel,)  this rank's padded shards
+            if self.policy.param_dtype is not None:
+                flat = flat.to(self.policy.param_dtype)
+            group = self.mesh.get_group(self.mesh.ndim - 1)
+            self._gathering = collectives.start_all_gather_flat(flat, group, async_op=async_op)
+        if not async_op:
+            self.wait_unshard()
+
+    def wait_unshard(self) -> None:
+        """Finish an issued all-gather: copy every parameter out and register the unsharded ones."""
+        if self._gathering is None:
+            return
+        gathered = self._gathering.wait()
+        self._gathering = None
         shard_dim = self.mesh.ndim - 1
-        gathered = collectives.all_gather_flat(flat, self.mesh.get_group(shard_dim))
         per_rank = gathered.view(self.mesh.size(shard_dim), self.group_numel)  # (shard world, group_numel)
         for p, offset in zip(self.params, self.offsets):
             p.fill_unsharded(per_rank[:, offset : offset + p.slot_numel])
@@ -57,6 +81,8 @@ class ParamGroup:
 
     def reshard(self) -> None:
         """Register the sharded parameters again and free the unsharded data."""
+        if self._gathering is not None:  # a prefetch nobody used: land it, so buffers stay in step
+            self.wait_unshard()
         if not self.is_unsharded:
             return
         for p in self.params:
@@ -70,12 +96,14 @@ class ParamGroup:
         self._waiting.discard(self.params.index(param))
         return not self._waiting
 
-    def reduce_grads(self) -> None:
-        """Reduce-scatter (average) every unsharded grad in one collective into the sharded grads.
+    def reduce_grads(self, *, async_op: bool = False) -> None:
+        """Reduce-scatter (average) every unsharded grad in one collective into the sharded grads;
+        with `async_op` only issue it and leave the rest to `finish_reduce`.
 
         Parameters that got no gradient are left out (their sharded `.grad` is untouched); which
         ones those are must agree across ranks, as in torch.
         """
+        self.finish_reduce()  # one reduce-scatter per group in flight (a re-entered backward)
         reduce_dtype = self.policy.reduce_dtype
         pending = [(p, g) for p in self.params if (g := p.take_unsharded_grad(reduce_dtype)) is not None]
         if not pending:
@@ -83,12 +111,24 @@ class ParamGroup:
         blocks = [p.reduce_scatter_input(g) for p, g in pending]  # each (world, slot)
         dtype = blocks[0].dtype
         flat = torch.cat([b.to(dtype) for b in blocks], dim=1)  # (world, numel of these slots)
-        shard_dim = self.mesh.ndim - 1
-        reduced = collectives.reduce_scatter_flat(flat.reshape(-1), "avg", self.mesh.get_group(shard_dim))
-        if shard_dim:  # HSDP: every replica of this shard averages it with the others
+        group = self.mesh.get_group(self.mesh.ndim - 1)
+        self._reducing = collectives.start_reduce_scatter_flat(flat.reshape(-1), "avg", group, async_op=async_op), [
+            p for p, _ in pending
+        ]
+        if not async_op:
+            self.finish_reduce()
+
+    def finish_reduce(self) -> None:
+        """Land an issued reduce-scatter in the sharded grads (HSDP: average over replicas first)."""
+        if self._reducing is None:
+            return
+        in_flight, params = self._reducing
+        self._reducing = None
+        reduced = in_flight.wait()
+        if self.mesh.ndim > 1:  # HSDP: every replica of this shard averages it with the others
             reduced = collectives.all_reduce(reduced, "avg", self.mesh.get_group(0), self.mesh.size(0))
         offset = 0
-        for p, _ in pending:
+        for p in params:
             p.accumulate_sharded_grad(reduced[offset : offset + p.slot_numel])
             offset += p.slot_numel
 

@@ -8,6 +8,14 @@
     end of backward  (root only, `queue_callback`) finish every group whose post-backward did not
                    run: params that got no grad, or modules whose outputs were unused
 
+Prefetch: the root records the order in which groups run forward (first iteration). Afterwards each
+group's pre-forward, once its own parameters are in, issues the next group's all-gather in flight,
+so it overlaps this group's compute; pre-backward does the same for the group before it (reverse
+order), and post-backward issues its reduce-scatter in flight, landed by a later group's
+post-backward or at the end of backward. With reshard_after_forward, at most two groups (the
+running one and the prefetched one) hold unsharded parameters. `set_modules_to_forward_prefetch`
+/ `set_modules_to_backward_prefetch` replace the recorded neighbour with explicit ones.
+
 Autograd runs AccumulateGrad nodes as soon as they are ready, so a post-accumulate-grad hook sees
 each unsharded gradient complete, however often the module ran. The first module to run forward
 becomes the root (as in torch): it does not reshard after forward by default, since backward would
@@ -44,8 +52,15 @@ class FSDPState:
         self.reshard_after_forward = True if reshard_after_forward is None else reshard_after_forward
         self.auto_reshard = reshard_after_forward is None  # the root then keeps its params after forward
         self.requires_gradient_sync = True
+        self.reshard_after_backward = True
         self.is_root: bool | None = None  # decided by the first forward
+        self.root: FSDPState = self
         self.tree: list[FSDPState] = []  # root only: every state under it, itself included
+        self.forward_order: list[FSDPState] = []  # root only: groups by first forward use
+        self._recording = True  # root only: forward_order is being recorded (first forward)
+        self._reducing: list[FSDPState] = []  # root only: groups whose reduce-scatter is in flight
+        self.forward_prefetch: list[FSDPState] | None = None  # explicit targets (None: implicit)
+        self.backward_prefetch: list[FSDPState] | None = None
         self._callback_queued = False
         self._in_backward = False  # between pre- and post-backward: recomputed forwards keep params
         for p in group.params:
@@ -65,6 +80,7 @@ class FSDPState:
                 continue
             if state is not self:
                 state.is_root = False
+            state.root = self
             self.tree.append(state)
         if self.auto_reshard:
             self.reshard_after_forward = False
@@ -74,6 +90,8 @@ class FSDPState:
         if not self._forward_pending:  # the group's first module this forward
             self._forward_pending = {id(m) for m in self.modules}
         self.group.unshard()
+        if torch._C._current_graph_task_id() == -1:  # a real forward, not a recompute in backward
+            self._prefetch(self._forward_targets())
         dtype = self.policy.param_dtype
         if dtype is not None and self.policy.cast_forward_inputs:
             args, kwargs = tree_map(lambda x: _cast_floating(x, dtype), (args, kwargs))
@@ -83,6 +101,8 @@ class FSDPState:
         if self._in_backward:  # activation-checkpoint recompute: backward still needs the params
             return output
         self._forward_pending.discard(id(module))
+        if self.is_root and not self._forward_pending:
+            self._recording = False
         outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         if torch.is_grad_enabled() and outputs:
             torch.autograd.graph.register_multi_grad_hook(outputs, self._pre_backward, mode="any")
@@ -100,25 +120,67 @@ class FSDPState:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         self._in_backward = True
         self.group.unshard()
+        self._prefetch(self._backward_targets())
 
+    # ------------------------------------------------------------------------------ prefetch
+    def _record(self) -> None:
+        root = self.root
+        if root._recording and self not in root.forward_order:
+            root.forward_order.append(self)
+
+    def _forward_targets(self) -> list[FSDPState]:
+        self._record()
+        if self.forward_prefetch is not None:
+            return self.forward_prefetch
+        order = self.root.forward_order
+        if self.root._recording or self not in order:
+            return []
+        i = order.index(self)
+        return order[i + 1 : i + 2]
+
+    def _backward_targets(self) -> list[FSDPState]:
+        if self.backward_prefetch is not None:
+            return self.backward_prefetch
+        order = self.root.forward_order
+        if self.root._recording or self not in order:
+            return []
+        i = order.index(self)
+        return order[i - 1 : i] if i > 0 else []
+
+    @staticmethod
+    def _prefetch(targets: list[FSDPState]) -> None:
+        for target in targets:
+            target.group.unshard(async_op=True)
+
+    # ------------------------------------------------------------------------------ gradients
     def _on_grad_ready(self, param: FSDPParam) -> None:
         if self.group.is_unsharded and self.group.grad_ready(param):
             self.post_backward()
 
     def post_backward(self) -> None:
-        """Reduce (or, without gradient sync, keep) the unsharded grads, then reshard."""
+        """Reduce (issued in flight; or, without gradient sync, keep) the unsharded grads, then
+        reshard. The previous group's reduce-scatter lands now: one in flight at a time."""
         self._in_backward = False
         if self.requires_gradient_sync:
-            self.group.reduce_grads()
+            reducing = self.root._reducing
+            while reducing:
+                reducing.pop(0).group.finish_reduce()
+            self.group.reduce_grads(async_op=True)
+            reducing.append(self)
         else:
             self.group.stash_grads()
-        self.group.reshard()
+        if self.reshard_after_backward:
+            self.group.reshard()
 
     def _end_of_backward(self) -> None:
         self._callback_queued = False
         for state in self.tree:
-            if state.group.is_unsharded:
+            if state.group.is_unsharded or state.group.is_gathering:
                 state.post_backward()
+            state._in_backward = False  # a group with no params (often the root) never ran post_backward
+        for state in self._reducing:
+            state.group.finish_reduce()
+        self._reducing.clear()
 
 
 def _cast_floating(x: Any, dtype: torch.dtype) -> Any:
