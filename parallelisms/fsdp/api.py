@@ -89,7 +89,7 @@ def fully_shard(
     module: nn.Module | list[nn.Module],
     *,
     mesh: DeviceMesh | None = None,
-    reshard_after_forward: bool | None = None,
+    reshard_after_forward: bool | int | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
 ) -> nn.Module:
     """Shard `module`'s parameters `Shard(0)` over `mesh`, in place; returns `module`.
@@ -108,7 +108,9 @@ def fully_shard(
         mesh: 1-D mesh of the data-parallel ranks, or 2-D (replicate, shard); default: all ranks on
             "cuda" if available, else "cpu".
         reshard_after_forward: free the unsharded parameters after forward (all-gather them again
-            in backward). None (the default, as in torch): True, except for the root module.
+            in backward). An int k reshards onto groups of k consecutive shard ranks instead
+            (k / world of the parameters stay, backward gathers over k ranks); it must divide the
+            shard dim's size and lie strictly between 1 and it. None (the default, as in torch): True, except for the root module.
         mp_policy: dtypes of the unsharded parameters, gradient reduction and outputs.
     """
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
@@ -123,6 +125,8 @@ def fully_shard(
     params = [FSDPParam(owners, param, mesh, spec_mesh) for param, owners in managed]
     _check_dtypes(params, mp_policy)
     group = ParamGroup(params, mesh, mp_policy)
+    if _partial_reshard_size(reshard_after_forward, mesh):
+        group.use_partial_reshard(int(reshard_after_forward))  # type: ignore[arg-type]
     for p in params:
         p.register(p.sharded)
     state = FSDPState(modules, group, reshard_after_forward, mp_policy)
@@ -130,6 +134,20 @@ def fully_shard(
         m._fsdp_state = state  # type: ignore[assignment]
         m.__class__ = _fsdp_class(type(m))
     return module
+
+
+def _partial_reshard_size(reshard_after_forward: bool | int | None, mesh: DeviceMesh) -> bool:
+    """Whether `reshard_after_forward` is a valid k (an int, not a bool); raises on a bad one."""
+    if reshard_after_forward is None or isinstance(reshard_after_forward, bool):
+        return False
+    world = mesh.size(mesh.ndim - 1)
+    k = reshard_after_forward
+    if not isinstance(k, int) or not 1 < k < world or world % k:
+        raise ValueError(
+            f"reshard_after_forward={k!r}: an int must divide the shard dim's size {world} and lie strictly "
+            f"between 1 and {world} (use True to reshard over all {world} ranks, False to keep the parameters)"
+        )
+    return True
 
 
 def _check_shardable(module: nn.Module) -> None:

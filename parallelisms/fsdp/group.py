@@ -9,6 +9,10 @@ takes its `slot` of the result as its sharded gradient. On a 2-D (replicate, sha
 collectives run over the shard dim, and the reduced shards are then averaged over the replicate dim
 with one all-reduce.
 
+`reshard_after_forward=k` (an int) reshards onto groups of k consecutive shard ranks after forward:
+each rank keeps k / world of the gathered buffer (its block of world / k rank slots), so backward
+all-gathers over k ranks (intra-node, say) instead of all of them.
+
 Both directions can run in flight (`async_op=True`): `unshard` returns once the all-gather is
 issued and `wait_unshard` finishes it; `reduce_grads` returns once the reduce-scatter is issued and
 `finish_reduce` lands the sharded gradients. gloo runs collectives on its own threads and NCCL on
@@ -42,6 +46,10 @@ class ParamGroup:
         self.group_numel = total  # per-rank elements in the flat all-gather / reduce-scatter buffers
         self._waiting: set[int] = set()  # indices of params whose grad this backward has not produced
         self._gathering: InFlight | None = None  # an all-gather issued, not yet copied out
+        self._partial_group: object | None = None  # k-rank process group of reshard_after_forward=k
+        self._partial_block: int = 0  # which block of rank slots this rank keeps
+        self._partial: torch.Tensor | None = None  # (world / k, group_numel) kept after forward
+        self._gathered: torch.Tensor | None = None  # the last all-gather's (world, group_numel)
         self._reducing: tuple[InFlight, list[FSDPParam]] | None = None  # a reduce-scatter in flight
 
     @property
@@ -54,6 +62,12 @@ class ParamGroup:
         `async_op` only issue the all-gather (a prefetch) and leave the rest to `wait_unshard`."""
         if self.is_unsharded or not self.params:
             return
+        if self._gathering is None and self._partial is not None:  # from the k-rank reshard
+            assert self._partial_group is not None
+            partial, self._partial = self._partial, None
+            self._gathering = collectives.start_all_gather_flat(
+                partial.reshape(-1), self._partial_group, async_op=async_op  # type: ignore[arg-type]
+            )
         if self._gathering is None:
             inputs = [t for p in self.params for t in p.all_gather_inputs()]
             flat = torch.cat(inputs)  # (group_numel,)  this rank's padded shards
@@ -72,6 +86,7 @@ class ParamGroup:
         self._gathering = None
         shard_dim = self.mesh.ndim - 1
         per_rank = gathered.view(self.mesh.size(shard_dim), self.group_numel)  # (shard world, group_numel)
+        self._gathered = per_rank if self._partial_group is not None else None
         for p, offset in zip(self.params, self.offsets):
             p.fill_unsharded(per_rank[:, offset : offset + p.slot_numel])
             assert p.unsharded is not None
@@ -89,6 +104,34 @@ class ParamGroup:
             p.register(p.sharded)
             p.free_unsharded()
         self.is_unsharded = False
+        self._gathered = None
+
+    def use_partial_reshard(self, k: int) -> None:
+        """Create the k-rank groups of reshard_after_forward=k (a collective: every rank of the
+        world calls it, for every group, in the same order)."""
+        shard_dim = self.mesh.ndim - 1
+        world = self.mesh.size(shard_dim)
+        rows = self.mesh.mesh.reshape(-1, world).tolist()  # every replica's shard ranks (HSDP: several)
+        me = torch.distributed.get_rank()
+        for row in rows:
+            for start in range(0, world, k):
+                ranks = row[start : start + k]
+                group = torch.distributed.new_group(ranks)
+                if me in ranks:
+                    self._partial_group, self._partial_block = group, ranks.index(me)
+
+    def drop_partial(self) -> None:
+        self._partial = None
+
+    def reshard_to_partial(self) -> None:
+        """After forward, reshard_after_forward=k: keep this rank's block of the gathered slots
+        (world / k of them) and free the rest; the next unshard gathers over k ranks only."""
+        gathered, self._gathered = self._gathered, None
+        if gathered is not None:
+            k = self._partial_group.size()  # type: ignore[attr-defined]
+            block = gathered.view(k, -1, self.group_numel)[self._partial_block]
+            self._partial = block.clone()
+        self.reshard()
 
     # ------------------------------------------------------------------------------ gradients
     def grad_ready(self, param: FSDPParam) -> bool:

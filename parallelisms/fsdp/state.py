@@ -42,7 +42,7 @@ class FSDPState:
         self,
         modules: list[nn.Module],
         group: ParamGroup,
-        reshard_after_forward: bool | None,
+        reshard_after_forward: bool | int | None,
         policy: MixedPrecisionPolicy,
     ) -> None:
         self.modules = modules  # one, or the several a fully_shard([...]) call grouped
@@ -89,9 +89,12 @@ class FSDPState:
         self._lazy_init()
         if not self._forward_pending:  # the group's first module this forward
             self._forward_pending = {id(m) for m in self.modules}
-        self.group.unshard()
         if torch._C._current_graph_task_id() == -1:  # a real forward, not a recompute in backward
+            self.group.drop_partial()  # kept by a forward no backward consumed: maybe stale
+            self.group.unshard()
             self._prefetch(self._forward_targets())
+        else:
+            self.group.unshard()
         dtype = self.policy.param_dtype
         if dtype is not None and self.policy.cast_forward_inputs:
             args, kwargs = tree_map(lambda x: _cast_floating(x, dtype), (args, kwargs))
@@ -106,8 +109,13 @@ class FSDPState:
         outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         if torch.is_grad_enabled() and outputs:
             torch.autograd.graph.register_multi_grad_hook(outputs, self._pre_backward, mode="any")
-        if not self._forward_pending and (self.reshard_after_forward or not torch.is_grad_enabled()):
-            self.group.reshard()  # without grad, nothing will need the unsharded params again
+        if not self._forward_pending:
+            if not torch.is_grad_enabled():
+                self.group.reshard()  # without grad, nothing will need the unsharded params again
+            elif self.reshard_after_forward is True:
+                self.group.reshard()
+            elif self.reshard_after_forward:  # an int: onto groups of that many ranks
+                self.group.reshard_to_partial()
         if self.policy.output_dtype is not None:
             dtype = self.policy.output_dtype
             output = tree_map(lambda x: _cast_floating(x, dtype), output)

@@ -204,3 +204,54 @@ def test_explicit_prefetch_unshard_handle_and_accumulation_without_communication
         assert r["second_forward"] == 0, r
         for name, grad in r["grads"].items():
             torch.testing.assert_close(grad, reference[name], rtol=1e-5, atol=1e-6)
+
+
+def _partial_reshard(k: int | bool = 2) -> dict[str, object]:
+    torch.manual_seed(0)
+    model = Stack()
+    mesh = get_mesh((torch.distributed.get_world_size(),))
+    for b in model.blocks:
+        fully_shard(b, mesh=mesh, reshard_after_forward=k)
+    fully_shard(model, mesh=mesh)
+    group = model.blocks[0]._fsdp_state.group
+    kept = []
+    model.blocks[1].register_forward_pre_hook(lambda m, a: kept.append(group._partial is not None))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for seed in range(3):
+        _step(model, seed)
+        opt.step()
+        opt.zero_grad()
+    error = ""
+    try:
+        fully_shard(Block(), mesh=mesh, reshard_after_forward=3)
+    except ValueError as e:
+        error = str(e)
+    return {"kept": kept, "params": {n: p.full_tensor() for n, p in model.named_parameters()}, "error": error}
+
+
+def _partial_reference() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = Stack()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for seed in range(3):
+        for rank in range(4):
+            x = torch.randn(2, 5, D, generator=torch.Generator().manual_seed(seed + rank))
+            (model(x).pow(2).mean() / 4).backward()
+        opt.step()
+        opt.zero_grad()
+    return dict(model.named_parameters())
+
+
+def test_reshard_after_forward_int_keeps_a_k_rank_shard_and_trains_exactly() -> None:
+    """reshard_after_forward=2 on 4 ranks: after forward a group keeps half the gathered slots
+    (backward gathers over 2 ranks); training is bitwise that of reshard_after_forward=True (the
+    same reductions) and equals one process (AdamW after 3 steps: up to 1e-4 relative on an element
+    whose gradient sum rounds differently in a 4-rank average)."""
+    reference = _partial_reference()
+    full = run_world(_partial_reshard, 4, True)
+    for r, f in zip(run_world(_partial_reshard, 4), full):
+        assert r["kept"] == [True] * 3 and f["kept"] == [False] * 3, (r["kept"], f["kept"])
+        assert "divide the shard dim's size 4" in r["error"]
+        for name, p in r["params"].items():
+            assert torch.equal(p, f["params"][name]), name
+            torch.testing.assert_close(p, reference[name].detach(), rtol=2e-4, atol=1e-5)
