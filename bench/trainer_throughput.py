@@ -1,0 +1,64 @@
+"""Trainer throughput: global tokens/s of the debug model on CPU, one layout against another.
+
+Runs `./run_train.sh` (torchrun) for each layout, back to back, `--repeats` times, and reads the
+metrics lines (`tok/s` is per rank: tokens of its local batch over the step time). Global tokens/s
+= median per-rank tok/s over the steps after warm-up x the data-parallel degree. Prints one JSON
+line with per-layout medians and each layout's ratio to the first.
+
+    python bench/trainer_throughput.py --layouts one fsdp2 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LAYOUTS = {  # name: (ranks, threads per rank, dp degree, --parallelism overrides)
+    "one": (1, 2, 1, {"data_parallel_shard_degree": 1}),
+    "fsdp2": (2, 1, 2, {"data_parallel_shard_degree": 2}),
+    "tp2": (2, 1, 1, {"data_parallel_shard_degree": 1, "tensor_parallel_degree": 2}),
+    "fsdp2_tp2": (4, 1, 2, {"data_parallel_shard_degree": 2, "tensor_parallel_degree": 2}),
+}
+TOKS = re.compile(r"step (\d+) \|.*tok/s ([\d,]+)")
+
+
+def run(layout: str, steps: int, batch: int, seq: int, warmup: int) -> float:
+    ranks, threads, dp, overrides = LAYOUTS[layout]
+    args = ["./run_train.sh", "--training.steps", str(steps), "--training.local_batch_size", str(batch)]
+    args += ["--training.seq_len", str(seq)]
+    for key, value in overrides.items():
+        args += [f"--parallelism.{key}", str(value)]
+    env = {**os.environ, "NGPU": str(ranks), "OMP_NUM_THREADS": str(threads)}
+    done = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise SystemExit(f"{layout} failed (exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    per_rank = [float(t.replace(",", "")) for s, t in TOKS.findall(done.stdout + done.stderr) if int(s) > warmup]
+    return statistics.median(per_rank) * dp
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layouts", nargs="+", default=["one", "fsdp2"], choices=sorted(LAYOUTS))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=512)
+    a = parser.parse_args()
+    runs: dict[str, list[float]] = {name: [] for name in a.layouts}
+    for _ in range(a.repeats):
+        for name in a.layouts:  # back to back, so noise hits every layout alike
+            runs[name].append(run(name, a.steps, a.batch, a.seq, a.warmup))
+    medians = {name: statistics.median(v) for name, v in runs.items()}
+    first = medians[a.layouts[0]]
+    print(json.dumps({"global_tok_s": medians, "runs": runs, "ratio_to_first": {k: v / first for k, v in medians.items()}}))
+
+
+if __name__ == "__main__":
+    main()
