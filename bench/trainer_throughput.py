@@ -57,7 +57,11 @@ def main() -> None:
             runs[name].append(run(name, a.steps, a.batch, a.seq, a.warmup))
     medians = {name: statistics.median(v) for name, v in runs.items()}
     first = medians[a.layouts[0]]
-    print(json.dumps({"global_tok_s": medians, "runs": runs, "ratio_to_first": {k: v / first for k, v in medians.items()}}))
+    print(
+        json.dumps(
+            {"global_tok_s": medians, "runs": runs, "ratio_to_first": {k: v / first for k, v in medians.items()}}
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -80,4 +80,3 @@ def checkpoint_module(module: nn.Module, *, selective: bool = False) -> nn.Modul
 
 def _save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-

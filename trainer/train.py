@@ -242,7 +242,7 @@ def train(cfg: JobConfig, world_mesh: DeviceMesh, parallel_dims: ParallelDims, d
     tokens_since, t0 = 0, time.perf_counter()
     for step in range(1, training.steps + 1):
         inputs, labels = (t.to(device) for t in next(batches))
-        lr = scheduler.get_last_lr()[0]
+        lr = float(scheduler.get_last_lr()[0])
         loss, grad_norm = train_step(
             model, optimizer, (inputs, labels), max_norm=training.max_norm, use_loss_parallel=loss_parallel_on
         )

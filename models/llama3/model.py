@@ -22,9 +22,7 @@ def precompute_freqs_cis(head_dim: int, end: int, theta: float = 10000.0) -> tor
     return torch.polar(torch.ones_like(angles), angles)
 
 
-def apply_rotary_emb(
-    xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+def apply_rotary_emb(xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate consecutive pairs of xq / xk channels, (B, T, H, Dh), by position (complex multiply)."""
     seqlen = xq.shape[1]
     freqs = freqs_cis[:seqlen].view(1, seqlen, 1, -1)  # (1, T, 1, Dh/2)

@@ -9,9 +9,8 @@ partial ("norm2") is a SUM of |x|**p followed by the p-th root.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -242,7 +241,9 @@ def reduce_scatter_flat(flat: torch.Tensor, reduce_op: str, group: ProcessGroup)
     return start_reduce_scatter_flat(flat, reduce_op, group).wait()
 
 
-def start_reduce_scatter_flat(flat: torch.Tensor, reduce_op: str, group: ProcessGroup, *, async_op: bool = False) -> InFlight:
+def start_reduce_scatter_flat(
+    flat: torch.Tensor, reduce_op: str, group: ProcessGroup, *, async_op: bool = False
+) -> InFlight:
     """reduce_scatter_flat, returned in flight (`async_op`) or complete."""
     n = group.size()
     assert flat.ndim == 1 and flat.numel() % n == 0, f"reduce_scatter_flat needs a 1-D buffer divisible by {n}"

@@ -56,14 +56,14 @@ def dispatch(op: OpOverload, args: tuple, kwargs: dict | None) -> Any:
         key_kwargs, local_kwargs = _unwrap_kwargs(op, args, kwargs, dtensors)
     else:
         key_kwargs, local_kwargs = (), kwargs
-    key = (op, key_args, key_kwargs)
+    key = (op, _scalars_by_count(key_args), key_kwargs) if op in _SCALAR_LIST_OPS else (op, key_args, key_kwargs)
     try:
         plan = PLANS.plans.get(key)
     except TypeError:  # an unhashable static arg: decide without caching
         plan = None
     fresh = plan is None
     if plan is None:
-        plan = _plan_miss(op, key_args, key_kwargs)
+        plan = _plan_miss(op, key_args, key_kwargs)  # planned on the values, cached by `key`
     if plan.redistributes:
         local_args, local_kwargs = _redistribute_inputs(op, args, kwargs, dtensors, plan)
     if plan.plain:
@@ -202,6 +202,19 @@ def _first_mesh(args: tuple, kwargs: dict) -> DeviceMesh:
 
 
 _INT = frozenset({int})
+
+# Foreach ops taking a list of scalars: AdamW passes new values every step (bias corrections), and
+# keying plans by them grew the cache by a plan per step and param group, and planned every step
+# again. Their sharding cannot depend on the values, so plans are cached by how many there are.
+_SCALAR_LIST_OPS = frozenset(
+    getattr(packet, "ScalarList")
+    for name in dir(torch.ops.aten)
+    if name.startswith("_foreach_") and hasattr(packet := getattr(torch.ops.aten, name), "ScalarList")
+)
+
+
+def _scalars_by_count(key_args: tuple) -> tuple:
+    return tuple(("scalars", len(a)) if type(a) is tuple and a and type(a[0]) is float else a for a in key_args)
 _STATIC_TYPES = frozenset(
     {int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout}
 )

@@ -164,7 +164,11 @@ class DTensor(torch.Tensor):
         check_target(spec, target)
         if needs_grad:  # even to the same placements: backward moves the grad back to ours (as torch)
             return Redistribute.apply(self, target, async_op)
-        local = redistribute_local(self._local_tensor, spec, target, async_op=True) if async_op else reduced_local(self, target)
+        local = (
+            redistribute_local(self._local_tensor, spec, target, async_op=True)
+            if async_op
+            else reduced_local(self, target)
+        )
         return DTensor(local, spec.with_placements(target))
 
     def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:

@@ -4,9 +4,9 @@ A model built on the meta device, parallelized (TP, FSDP, any mesh) and then all
 `to_empty` must get the weights one process would have, or runs on different layouts train
 different models and a seed checkpoint becomes necessary (torchtitan's). Inside the context,
 `Tensor.uniform_` and `Tensor.normal_` (and so `nn.init.uniform_`, `normal_`, `trunc_normal_`,
-`kaiming_uniform_`, ..., which draw with them) fill each element from the blocked counter-based stream behind `rand`/`randn`
-(factories.py): the value at a global index depends only on the seed and the index. A DTensor
-draws only its shard's blocks, at its exact global offset (uneven and `_StridedShard` shards
+`kaiming_uniform_`, ..., which draw with them) fill each element from the blocked counter-based
+stream behind `rand`/`randn` (factories.py): the value at a global index depends only on the seed
+and the index. A DTensor draws only its shard's blocks, at its exact global offset (uneven and `_StridedShard` shards
 included); a plain tensor is its own global tensor. Later pointwise steps of an init (erfinv, mul,
 clamp in trunc_normal_) are elementwise, so they agree bit for bit too.
 
@@ -28,7 +28,7 @@ from .dtensor import DTensor
 from .factories import _base_seed, _blocked
 
 
-class layout_invariant_init(TorchFunctionMode):  # noqa: N801  (used like a function: `with layout_invariant_init():`)
+class layout_invariant_init(TorchFunctionMode):
     """Context manager: uniform_/normal_ fills give the same global values on any layout."""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -84,8 +84,9 @@ def _init_kaiming_uniform_(
     tensor: torch.Tensor, a: float = 0.0, mode: str = "fan_in", nonlinearity: str = "leaky_relu", generator: Any = None
 ) -> torch.Tensor:
     """nn.init.kaiming_uniform_'s bound (He et al. 2015), from the global shape."""
-    gain = nn.init.calculate_gain(nonlinearity, a)
-    bound = math.sqrt(3.0) * gain / math.sqrt(nn.init._calculate_correct_fan(tensor, mode))
+    gain = nn.init.calculate_gain(nonlinearity, a)  # type: ignore[arg-type]
+    fan = nn.init._calculate_correct_fan(tensor, mode)  # type: ignore[arg-type]
+    bound = math.sqrt(3.0) * gain / math.sqrt(fan)
     return _uniform_(tensor, -bound, bound)
 
 

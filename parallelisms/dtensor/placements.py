@@ -218,7 +218,7 @@ def _check_split_factors(placements: Sequence[Placement], mesh_shape: Sequence[i
     for m, p in enumerate(placements):
         if not isinstance(p, _StridedShard):
             continue
-        later = [i for i in range(m + 1, len(placements)) if isinstance(placements[i], Shard) and placements[i].dim == p.dim]  # type: ignore[attr-defined]
+        later = [i for i, q in enumerate(placements) if i > m and isinstance(q, Shard) and q.dim == p.dim]
         want = 1
         for i in later:
             want *= mesh_shape[i]

@@ -161,8 +161,7 @@ def _strided_plan(call: OpCall, cache: PlanCache, fallback: bool) -> Plan:
         moves = any(t is not None and t != _unstride(s.placements, Shard) for s, t in zip(specs, plan.input_placements))
         if not moves and plan.decomposition is None and len(plan.output_specs) <= len(aligned):
             outputs = tuple(
-                o if o is None or o.ndim == 0 else o.with_placements(ref)
-                for o, ref in zip(plan.output_specs, aligned)
+                o if o is None or o.ndim == 0 else o.with_placements(ref) for o, ref in zip(plan.output_specs, aligned)
             )
             return dataclasses.replace(plan, input_placements=(None,) * len(specs), output_specs=outputs)
     _check_strided_mutation(call)

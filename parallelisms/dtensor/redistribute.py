@@ -48,8 +48,8 @@ from .placements import (
     Shard,
     _StridedShard,
     chunk_size_and_offset,
-    is_strided,
     chunk_sizes,
+    is_strided,
     local_shape_and_offset,
     logical_shape_before,
     partition_divisor,
@@ -130,7 +130,9 @@ def _strided_walk(
     for m in reversed(range(len(current))):
         if isinstance(current[m], _StridedShard):
             logical = logical_shape_before(shape, mesh_shape, coordinate, current, m)
-            steps.append(Transition(m, current[m], Replicate(), tuple(logical), transition_kind(current[m], Replicate())))
+            steps.append(
+                Transition(m, current[m], Replicate(), tuple(logical), transition_kind(current[m], Replicate()))
+            )
             current[m] = Replicate()
     middle = tuple(Replicate() if isinstance(p, _StridedShard) else p for p in dst_placements)
     plain = src.with_placements(tuple(current))

@@ -81,7 +81,9 @@ class UnshardHandle:
 
 def _state_of(module: object, where: str) -> FSDPState:
     if not isinstance(module, FSDPModule):
-        raise ValueError(f"{where} takes fully_shard modules; {type(module).__name__} is not one (fully_shard it first)")
+        raise ValueError(
+            f"{where} takes fully_shard modules; {type(module).__name__} is not one (fully_shard it first)"
+        )
     return module._fsdp_state
 
 
@@ -91,7 +93,7 @@ def fully_shard(
     mesh: DeviceMesh | None = None,
     reshard_after_forward: bool | int | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
-) -> nn.Module:
+) -> nn.Module | list[nn.Module]:
     """Shard `module`'s parameters `Shard(0)` over `mesh`, in place; returns `module`.
 
     A 1-D mesh shards over all its ranks (FSDP). A 2-D mesh is (replicate, shard) by position,
@@ -110,7 +112,8 @@ def fully_shard(
         reshard_after_forward: free the unsharded parameters after forward (all-gather them again
             in backward). An int k reshards onto groups of k consecutive shard ranks instead
             (k / world of the parameters stay, backward gathers over k ranks); it must divide the
-            shard dim's size and lie strictly between 1 and it. None (the default, as in torch): True, except for the root module.
+            shard dim's size and lie strictly between 1 and it. None (the default, as in torch):
+            True, except for the root module.
         mp_policy: dtypes of the unsharded parameters, gradient reduction and outputs.
     """
     modules = list(module) if isinstance(module, (list, tuple)) else [module]

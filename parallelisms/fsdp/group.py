@@ -46,7 +46,8 @@ class ParamGroup:
         self.group_numel = total  # per-rank elements in the flat all-gather / reduce-scatter buffers
         self._waiting: set[int] = set()  # indices of params whose grad this backward has not produced
         self._gathering: InFlight | None = None  # an all-gather issued, not yet copied out
-        self._partial_group: object | None = None  # k-rank process group of reshard_after_forward=k
+        # the k-rank process group of reshard_after_forward=k
+        self._partial_group: torch.distributed.ProcessGroup | None = None
         self._partial_block: int = 0  # which block of rank slots this rank keeps
         self._partial: torch.Tensor | None = None  # (world / k, group_numel) kept after forward
         self._gathered: torch.Tensor | None = None  # the last all-gather's (world, group_numel)
@@ -66,7 +67,9 @@ class ParamGroup:
             assert self._partial_group is not None
             partial, self._partial = self._partial, None
             self._gathering = collectives.start_all_gather_flat(
-                partial.reshape(-1), self._partial_group, async_op=async_op  # type: ignore[arg-type]
+                partial.reshape(-1),
+                self._partial_group,
+                async_op=async_op,
             )
         if self._gathering is None:
             inputs = [t for p in self.params for t in p.all_gather_inputs()]
@@ -128,7 +131,8 @@ class ParamGroup:
         (world / k of them) and free the rest; the next unshard gathers over k ranks only."""
         gathered, self._gathered = self._gathered, None
         if gathered is not None:
-            k = self._partial_group.size()  # type: ignore[attr-defined]
+            assert self._partial_group is not None
+            k = self._partial_group.size()
             block = gathered.view(k, -1, self.group_numel)[self._partial_block]
             self._partial = block.clone()
         self.reshard()
@@ -155,9 +159,10 @@ class ParamGroup:
         dtype = blocks[0].dtype
         flat = torch.cat([b.to(dtype) for b in blocks], dim=1)  # (world, numel of these slots)
         group = self.mesh.get_group(self.mesh.ndim - 1)
-        self._reducing = collectives.start_reduce_scatter_flat(flat.reshape(-1), "avg", group, async_op=async_op), [
-            p for p, _ in pending
-        ]
+        self._reducing = (
+            collectives.start_reduce_scatter_flat(flat.reshape(-1), "avg", group, async_op=async_op),
+            [p for p, _ in pending],
+        )
         if not async_op:
             self.finish_reduce()
 

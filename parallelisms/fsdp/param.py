@@ -59,9 +59,13 @@ class FSDPParam:
         self.world = mesh.size(self.shard_mesh_dim)  # ranks one parameter is split over
         self.tp_spec: DTensorSpec | None = param._spec if isinstance(param, DTensor) else None
         tp_placements: tuple[Placement, ...] = () if self.tp_spec is None else self.tp_spec.placements
-        split = math.prod(
-            self.tp_spec.mesh.size(m) for m, p in enumerate(tp_placements) if isinstance(p, Shard) and p.dim == 0
-        ) if self.tp_spec is not None else 1
+        split = (
+            math.prod(
+                self.tp_spec.mesh.size(m) for m, p in enumerate(tp_placements) if isinstance(p, Shard) and p.dim == 0
+            )
+            if self.tp_spec is not None
+            else 1
+        )
         dp_shard: Placement = _StridedShard(0, split_factor=split) if split > 1 else Shard(0)
         if self.tp_spec is None and spec_mesh is not None:
             tp_placements = (Replicate(),) * (spec_mesh.ndim - mesh.ndim)

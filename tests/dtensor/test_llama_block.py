@@ -72,7 +72,6 @@ def _train_step(x, target, params, freqs_cis, steps: int = 2):
 
 def _run(mesh_shape: tuple[int, ...]) -> float:
     from parallelisms.dtensor import DTensor, Replicate, Shard, distribute_tensor
-
     from tests.dtensor.harness import get_mesh
 
     mesh = get_mesh(mesh_shape)

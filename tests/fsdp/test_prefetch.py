@@ -74,7 +74,12 @@ def _record(model: Stack) -> list[tuple[str, int]]:
                 events.append(("rs_land", _i))
             _f()
 
-        group.unshard, group.wait_unshard, group.reduce_grads, group.finish_reduce = unshard, wait_unshard, reduce, finish
+        group.unshard, group.wait_unshard, group.reduce_grads, group.finish_reduce = (
+            unshard,
+            wait_unshard,
+            reduce,
+            finish,
+        )
         block.fc1.register_forward_pre_hook(lambda m, a, _i=i: events.append(("compute", _i)))
         block.fc2.register_forward_hook(lambda m, a, o, _i=i: events.append(("done", _i)))
         block.fc2.register_full_backward_pre_hook(lambda m, go, _i=i: events.append(("bwd_start", _i)))
@@ -123,7 +128,9 @@ def _live_groups() -> dict[str, object]:
     def measure(phase: str) -> None:
         live = [s for s in states if s.group.is_unsharded or s.group.is_gathering]
         most[phase] = max(most[phase], len(live))
-        nbytes = sum(p._padded.untyped_storage().nbytes() for s in states for p in s.group.params if p._padded is not None)
+        nbytes = sum(
+            p._padded.untyped_storage().nbytes() for s in states for p in s.group.params if p._padded is not None
+        )
         most_bytes[phase] = max(most_bytes[phase], nbytes)
 
     for b in model.blocks:

@@ -98,8 +98,14 @@ def test_forward_shape_and_fqns():
     tokens, _ = _batch(3)
     assert model(tokens).shape == (3, SEQ, ARGS.vocab_size)
     names = set(dict(model.named_parameters()))
-    assert {"tok_embeddings.weight", "layers.1.attention.wq.weight", "layers.0.feed_forward.w2.weight",
-            "layers.0.attention_norm.weight", "norm.weight", "output.weight"} <= names
+    assert {
+        "tok_embeddings.weight",
+        "layers.1.attention.wq.weight",
+        "layers.0.feed_forward.w2.weight",
+        "layers.0.attention_norm.weight",
+        "norm.weight",
+        "output.weight",
+    } <= names
     assert "freqs_cis" not in model.state_dict()
 
 

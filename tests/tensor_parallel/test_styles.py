@@ -96,7 +96,8 @@ def test_colwise_rowwise_mlp_matches_single_device_and_torch_comms():
 
 def _run_sequence_parallel(tp: int) -> dict:
     import torch.distributed.tensor.parallel as torch_tp
-    from torch.distributed.tensor import Replicate as TR, Shard as TS
+    from torch.distributed.tensor import Replicate as TR
+    from torch.distributed.tensor import Shard as TS
 
     import parallelisms.tensor_parallel as ours
     from parallelisms.dtensor import Replicate, Shard

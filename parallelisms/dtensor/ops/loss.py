@@ -210,5 +210,5 @@ def nll_backward_impl(local_args, local_kwargs, input_specs, output_specs):
         one_class = x.new_empty(*x.shape[:1], 1, *x.shape[2:]) if x.ndim >= 2 else x.new_empty(1)
         kept = torch.where(target == ignore_index, target, torch.zeros_like(target))
         row_sums = op(grad, one_class, kept, None, reduction, ignore_index, total)
-        out._meshtrain_row_sums = (out._version, row_sums)  # type: ignore[attr-defined]
+        out._meshtrain_row_sums = (out._version, row_sums)
     return out

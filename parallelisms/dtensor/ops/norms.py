@@ -139,7 +139,11 @@ def sharded_log_softmax_backward(local_args: list, local_kwargs: dict, input_spe
     spec = input_specs[0]
     gc = _compute_dtype(grad)
     known = getattr(grad, "_meshtrain_row_sums", None)  # set by the vocabulary-parallel nll backward
-    if known is not None and known[0] == grad._version and known[1].shape == (*grad.shape[:dim], 1, *grad.shape[dim + 1 :]):
+    if (
+        known is not None
+        and known[0] == grad._version
+        and known[1].shape == (*grad.shape[:dim], 1, *grad.shape[dim + 1 :])
+    ):
         row_sum = _compute_dtype(known[1])
     else:
         row_sum = _all_reduce_over(gc.sum(dim, keepdim=True), "sum", spec, spec.shard_mesh_dims(dim))

@@ -334,3 +334,31 @@ def test_registered_foreach_ops_cover_the_optimizers():
                aten._foreach_zero_.default, aten._fused_adamw_.default):  # fmt: skip
         assert op in ops, op
     assert aten._foreach_mm.default not in ops
+
+
+def _adamw_steps_plan_once() -> tuple[list[int], bool]:
+    from parallelisms.dtensor import dispatch
+
+    mesh = get_mesh((2,))
+    torch.manual_seed(0)
+    ws = [torch.randn(8, 4), torch.randn(5)]
+    ps = [torch.nn.Parameter(distribute_tensor(w.clone(), mesh, [Shard(0)])) for w in ws]
+    qs = [torch.nn.Parameter(w.clone()) for w in ws]
+    ours, ref = torch.optim.AdamW(ps, lr=1e-2, foreach=True), torch.optim.AdamW(qs, lr=1e-2, foreach=True)
+    new_plans = []
+    for _ in range(4):
+        grads = [torch.randn_like(w) for w in ws]
+        for p, q, g in zip(ps, qs, grads):
+            p.grad, q.grad = distribute_tensor(g, mesh, [Shard(0)]), g.clone()
+        before = len(dispatch.PLANS)
+        ours.step()
+        ref.step()
+        new_plans.append(len(dispatch.PLANS) - before)
+    return new_plans[1:], all(torch.equal(p.full_tensor(), q) for p, q in zip(ps, qs))
+
+
+def test_adamw_scalar_lists_plan_once():
+    """AdamW's bias corrections change every step: the plans are keyed by how many scalars there
+    are, not their values (no replanning, no cache growing by a plan per step), and use the new ones."""
+    for later_plans, equal in run_world(_adamw_steps_plan_once, 2):
+        assert later_plans == [0, 0, 0] and equal

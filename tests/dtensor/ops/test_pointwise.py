@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from parallelisms.dtensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from parallelisms.dtensor.debug import CommDebugMode
 from parallelisms.dtensor.ops import RULES, OpCall, pointwise
-from tests.dtensor.harness import assert_no_failures, check_op, expect_error, get_mesh, make_spec, run_on_meshes
+from tests.dtensor.harness import assert_no_failures, check_op, get_mesh, make_spec, run_on_meshes
 from tests.world import run_world
 
 aten = torch.ops.aten
