@@ -215,6 +215,8 @@ _SCALAR_LIST_OPS = frozenset(
 
 def _scalars_by_count(key_args: tuple) -> tuple:
     return tuple(("scalars", len(a)) if type(a) is tuple and a and type(a[0]) is float else a for a in key_args)
+
+
 _STATIC_TYPES = frozenset(
     {int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout}
 )

@@ -120,13 +120,18 @@ def _base_seed() -> int:
     return int(torch.randint(0, 2**62, (1,)).item())
 
 
-def _blocked(draw, base: int, local_shape, offset, dtype, device, global_shape) -> torch.Tensor:
-    """This rank's slice of the blocked global random tensor (see module doc)."""
-    out = torch.empty(local_shape, dtype=dtype, device=device)
+def _blocked(
+    draw, base: int, local_shape, offset, dtype, device, global_shape, *, out=None, transform=None
+) -> torch.Tensor:
+    """This rank's slice of the blocked global random tensor (see module doc), written into `out`
+    (default: a new tensor) one group of rows at a time, each passed through `transform` first,
+    so memory stays at the shard plus one group of rows."""
+    out = torch.empty(local_shape, dtype=dtype, device=device) if out is None else out
+    transform = transform or (lambda v: v)
     if out.numel() == 0:
         return out
     if len(global_shape) == 0:
-        return out.copy_(_draw_range(draw, base, 0, 1, dtype, device).view(()))
+        return out.copy_(transform(_draw_range(draw, base, 0, 1, dtype, device)).view(()))
     row = math.prod(global_shape[1:])  # elements per global dim-0 row
     rows_at_once = max(1, _ROWS_BUDGET // max(row, 1))
     inner = tuple(slice(o, o + s) for o, s in zip(offset[1:], local_shape[1:]))
@@ -134,7 +139,7 @@ def _blocked(draw, base: int, local_shape, offset, dtype, device, global_shape) 
         count = min(rows_at_once, local_shape[0] - start)
         first_row = offset[0] + start
         values = _draw_range(draw, base, first_row * row, (first_row + count) * row, dtype, device)
-        out[start : start + count] = values.view(count, *global_shape[1:])[(slice(None), *inner)]
+        out[start : start + count] = transform(values.view(count, *global_shape[1:])[(slice(None), *inner)])
     return out
 
 

@@ -39,37 +39,33 @@ class layout_invariant_init(TorchFunctionMode):
 
 
 def _uniform_(tensor: torch.Tensor, a: float = 0.0, b: float = 1.0, **_: Any) -> torch.Tensor:
-    values = _draw(tensor, torch.rand)
-    if values is not None:
-        with torch.no_grad():
-            _local(tensor).copy_(values.mul_(b - a).add_(a))
-    return tensor
+    return _fill(tensor, torch.rand, lambda v: v.mul(b - a).add_(a))
 
 
 def _normal_(tensor: torch.Tensor, mean: float = 0.0, std: float = 1.0, **_: Any) -> torch.Tensor:
-    values = _draw(tensor, torch.randn)
-    if values is not None:
-        with torch.no_grad():
-            _local(tensor).copy_(values.mul_(std).add_(mean))
-    return tensor
+    return _fill(tensor, torch.randn, lambda v: v.mul(std).add_(mean))
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
-def _draw(tensor: torch.Tensor, draw: Any) -> torch.Tensor | None:
-    """This rank's part of the global stream, or None for a rank outside the tensor's mesh."""
+def _fill(tensor: torch.Tensor, draw: Any, transform: Any) -> torch.Tensor:
+    """Write this rank's part of the global stream, through `transform`, into its shard, a group
+    of rows at a time (no shard-sized temporary: init peaks near the shards themselves)."""
     base = _base_seed()  # drawn on every rank, shard or not, so the generators stay in step
     if isinstance(tensor, DTensor):
         if tensor.device_mesh.get_coordinate() is None:
-            return None
+            return tensor
         shape, offset = tensor._spec.local_shape_and_offset()
     else:
         shape, offset = tuple(tensor.shape), (0,) * tensor.ndim
     local = _local(tensor)
     with torch.no_grad():
-        return _blocked(draw, base, shape, offset, local.dtype, local.device, tuple(tensor.shape))
+        _blocked(
+            draw, base, shape, offset, local.dtype, local.device, tuple(tensor.shape), out=local, transform=transform
+        )
+    return tensor
 
 
 def _init_normal_(tensor: torch.Tensor, mean: float = 0.0, std: float = 1.0, generator: Any = None) -> torch.Tensor:
