@@ -207,7 +207,7 @@ _INT = frozenset({int})
 # keying plans by them grew the cache by a plan per step and param group, and planned every step
 # again. Their sharding cannot depend on the values, so plans are cached by how many there are.
 _SCALAR_LIST_OPS = frozenset(
-    getattr(packet, "ScalarList")
+    packet.ScalarList
     for name in dir(torch.ops.aten)
     if name.startswith("_foreach_") and hasattr(packet := getattr(torch.ops.aten, name), "ScalarList")
 )
