@@ -56,7 +56,12 @@ def dispatch(op: OpOverload, args: tuple, kwargs: dict | None) -> Any:
         key_kwargs, local_kwargs = _unwrap_kwargs(op, args, kwargs, dtensors)
     else:
         key_kwargs, local_kwargs = (), kwargs
-    key = (op, _scalars_by_count(key_args), key_kwargs) if op in _SCALAR_LIST_OPS else (op, key_args, key_kwargs)
+    key = (op, key_args, key_kwargs)
+    kind = _SCALAR_KIND.get(op)
+    if kind is None:
+        kind = _SCALAR_KIND[op] = _scalar_kind(op)
+    if kind:
+        key = _value_free_key(kind, key)
     try:
         plan = PLANS.plans.get(key)
     except TypeError:  # an unhashable static arg: decide without caching
@@ -203,20 +208,40 @@ def _first_mesh(args: tuple, kwargs: dict) -> DeviceMesh:
 
 _INT = frozenset({int})
 
-# Foreach ops taking a list of scalars: AdamW passes new values every step (bias corrections), and
-# keying plans by them grew the cache by a plan per step and param group, and planned every step
-# again. Their sharding cannot depend on the values, so plans are cached by how many there are.
-_SCALAR_LIST_OPS = frozenset(
-    packet.ScalarList
-    for name in dir(torch.ops.aten)
-    if name.startswith("_foreach_") and hasattr(packet := getattr(torch.ops.aten, name), "ScalarList")
-)
+# Plans keyed by scalar *values* are a leak when the values change every call: AdamW passes new bias
+# corrections each step (`_foreach_div_(exp_avg_sq, [c1, c2, ...])`, or `addcdiv_(..., value=-lr_t)`
+# without foreach), which planned every step again and grew the cache by plans per step. Where a
+# rule cannot depend on the values, plans are cached by their presence instead:
+#   "list"    foreach ScalarList overloads: by how many scalars there are
+#   "scalar"  pointwise ops: Python floats, unless an input is Partial (whose rules read values:
+#             `P + 0` stays Partial, `P + 1` does not)
+_SCALAR_KIND: dict[OpOverload, str] = {}
+_FLOAT = ("float",)  # what a float arg becomes in a value-free key
 
 
-def _scalars_by_count(key_args: tuple) -> tuple:
-    return tuple(("scalars", len(a)) if type(a) is tuple and a and type(a[0]) is float else a for a in key_args)
+def _scalar_kind(op: OpOverload) -> str:
+    if op.__name__.startswith("_foreach_") and op._overloadname == "ScalarList":
+        return "list"
+    if torch.Tag.pointwise in op.tags and torch.Tag.nondeterministic_seeded not in op.tags:
+        return "scalar"
+    return ""
 
 
+def _value_free_key(kind: str, key: tuple) -> tuple:
+    op, key_args, key_kwargs = key
+    if kind == "list":
+        args = tuple(("scalars", len(a)) if type(a) is tuple and a and type(a[0]) is float else a for a in key_args)
+        return (op, args, key_kwargs)
+    if float not in map(type, key_args) and not any(type(v) is float for _, v in key_kwargs):
+        return key
+    if any(type(a) is DTensorSpec and a._partial for a in key_args):
+        return key
+    args = tuple(_FLOAT if type(a) is float else a for a in key_args)
+    kwargs = tuple((n, _FLOAT if type(v) is float else v) for n, v in key_kwargs)
+    return (op, args, kwargs)
+
+
+_INT = frozenset({int})
 _STATIC_TYPES = frozenset(
     {int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout}
 )

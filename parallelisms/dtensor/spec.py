@@ -35,9 +35,11 @@ class DTensorSpec:
     placements: tuple[Placement, ...]
     tensor_meta: TensorMeta
     _hash: int = field(init=False, repr=False, compare=False)
+    _partial: bool = field(init=False, repr=False, compare=False)  # has_partial(), for the hot path
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_hash", hash((self.mesh, self.placements, self.tensor_meta)))
+        object.__setattr__(self, "_partial", any(isinstance(p, Partial) for p in self.placements))
 
     def __hash__(self) -> int:
         return self._hash
@@ -78,7 +80,7 @@ class DTensorSpec:
         return all(p.is_replicate() for p in self.placements)
 
     def has_partial(self) -> bool:
-        return any(isinstance(p, Partial) for p in self.placements)
+        return self._partial
 
     def shard_mesh_dims(self, tensor_dim: int) -> list[int]:
         """Mesh dims that shard `tensor_dim`, in nesting order."""

@@ -336,7 +336,7 @@ def test_registered_foreach_ops_cover_the_optimizers():
     assert aten._foreach_mm.default not in ops
 
 
-def _adamw_steps_plan_once() -> tuple[list[int], bool]:
+def _adamw_steps_plan_once(foreach: bool) -> tuple[list[int], bool]:
     from parallelisms.dtensor import dispatch
 
     mesh = get_mesh((2,))
@@ -344,7 +344,7 @@ def _adamw_steps_plan_once() -> tuple[list[int], bool]:
     ws = [torch.randn(8, 4), torch.randn(5)]
     ps = [torch.nn.Parameter(distribute_tensor(w.clone(), mesh, [Shard(0)])) for w in ws]
     qs = [torch.nn.Parameter(w.clone()) for w in ws]
-    ours, ref = torch.optim.AdamW(ps, lr=1e-2, foreach=True), torch.optim.AdamW(qs, lr=1e-2, foreach=True)
+    ours, ref = torch.optim.AdamW(ps, lr=1e-2, foreach=foreach), torch.optim.AdamW(qs, lr=1e-2, foreach=foreach)
     new_plans = []
     for _ in range(4):
         grads = [torch.randn_like(w) for w in ws]
@@ -357,8 +357,10 @@ def _adamw_steps_plan_once() -> tuple[list[int], bool]:
     return new_plans[1:], all(torch.equal(p.full_tensor(), q) for p, q in zip(ps, qs))
 
 
-def test_adamw_scalar_lists_plan_once():
-    """AdamW's bias corrections change every step: the plans are keyed by how many scalars there
-    are, not their values (no replanning, no cache growing by a plan per step), and use the new ones."""
-    for later_plans, equal in run_world(_adamw_steps_plan_once, 2):
+@pytest.mark.parametrize("foreach", [True, False])
+def test_adamw_changing_scalars_plan_once(foreach: bool):
+    """AdamW's bias corrections change every step (a scalar list with foreach, float args without):
+    plans are keyed by the scalars' presence, not their values (no replanning, no cache growing by
+    plans per step), and the new values are used."""
+    for later_plans, equal in run_world(_adamw_steps_plan_once, 2, foreach):
         assert later_plans == [0, 0, 0] and equal
