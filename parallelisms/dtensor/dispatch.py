@@ -62,6 +62,9 @@ def dispatch(op: OpOverload, args: tuple, kwargs: dict | None) -> Any:
         kind = _SCALAR_KIND[op] = _scalar_kind(op)
     if kind:
         key = _value_free_key(kind, key)
+    # Equal meshes of different roots (a second init_device_mesh) must not share plans: the outputs
+    # would carry the first root's mesh (its groups), and fully_shard checks roots by identity.
+    key = (*key, id(dtensors[0]._spec.mesh._root) if dtensors else None)
     try:
         plan = PLANS.plans.get(key)
     except TypeError:  # an unhashable static arg: decide without caching
