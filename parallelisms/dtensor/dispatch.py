@@ -56,7 +56,7 @@ def dispatch(op: OpOverload, args: tuple, kwargs: dict | None) -> Any:
         key_kwargs, local_kwargs = _unwrap_kwargs(op, args, kwargs, dtensors)
     else:
         key_kwargs, local_kwargs = (), kwargs
-    key = (op, key_args, key_kwargs)
+    key: tuple = (op, key_args, key_kwargs)
     kind = _SCALAR_KIND.get(op)
     if kind is None:
         kind = _SCALAR_KIND[op] = _scalar_kind(op)

