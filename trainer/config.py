@@ -61,7 +61,10 @@ class LRScheduler:
 @dataclass(kw_only=True)
 class Training:
     local_batch_size: int = 8
-    """Sequences per data-parallel rank per step."""
+    """Sequences per data-parallel rank per micro-batch."""
+    global_batch_size: int = -1
+    """Sequences per optimizer step over all data-parallel ranks; -1: local_batch_size x dp degree.
+    A multiple of that accumulates gradients over global / (local x dp) micro-batches."""
     seq_len: int = 2048
     """Tokens per sequence (also the model's max_seq_len)."""
     steps: int = 10000
@@ -70,6 +73,8 @@ class Training:
     """Clip the global gradient 2-norm to this (<= 0 disables clipping, still logs the norm)."""
     seed: int = 0
     """Seed for weights and data order; identical on every rank."""
+    skip_nonfinite_steps: bool = False
+    """On a NaN/inf loss or gradient norm, skip that optimizer step (counted) instead of stopping."""
     dataset: str = "embedded"
     """Dataset name; only "embedded" (the corpus shipped in trainer/corpus/) exists."""
 

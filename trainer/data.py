@@ -29,43 +29,73 @@ def load_tokens(tokenizer: ByteTokenizer, path: Path = CORPUS_PATH) -> torch.Ten
 
 
 class TokenBatches:
-    """Infinite iterator of (input, label) int64 batches, each (local_batch_size, seq_len).
+    """Infinite iterator of (input, label) int64 micro-batches, each (local_batch_size, seq_len).
+
+    The global batch of step k is a function of (seed, global_batch_size, seq_len, k) alone: the
+    windows at positions [k * G, (k + 1) * G) of the epoch's shuffled order (G = global_batch_size).
+    Data-parallel rank r takes its contiguous part of G / dp_size windows, and yields it as
+    G / (dp_size * local_batch_size) micro-batches in order. So any dp degree and any accumulation
+    split of one global batch read exactly the same sequences.
 
     Args:
         tokens: the token stream.
-        local_batch_size: sequences per batch on this rank.
+        local_batch_size: sequences per micro-batch on this rank.
         seq_len: tokens per sequence; labels are inputs shifted left by one.
         dp_rank, dp_size: this rank's index on the data-parallel ("dp") mesh dim and its size.
         seed: shuffling seed (same on every rank).
+        global_batch_size: sequences per optimizer step over all dp ranks; None: local x dp.
     """
 
     def __init__(
-        self, tokens: torch.Tensor, *, local_batch_size: int, seq_len: int, dp_rank: int, dp_size: int, seed: int
+        self,
+        tokens: torch.Tensor,
+        *,
+        local_batch_size: int,
+        seq_len: int,
+        dp_rank: int,
+        dp_size: int,
+        seed: int,
+        global_batch_size: int | None = None,
     ) -> None:
+        global_batch = global_batch_size or local_batch_size * dp_size
+        self.accumulation_steps = accumulation_steps(global_batch, local_batch_size, dp_size)
         n_windows = (tokens.numel() - 1) // (seq_len + 1)
-        windows_per_rank = n_windows // dp_size
-        if windows_per_rank < local_batch_size:
+        if n_windows < global_batch:
             raise ValueError(
-                f"corpus of {tokens.numel()} tokens gives {n_windows} windows of seq_len+1={seq_len + 1}, "
-                f"{windows_per_rank} per dp rank (dp_size={dp_size}) < local_batch_size({local_batch_size}); "
-                f"lower training.seq_len or training.local_batch_size"
+                f"corpus of {tokens.numel()} tokens gives {n_windows} windows of seq_len+1={seq_len + 1}, fewer than "
+                f"one global batch of {global_batch} sequences; lower training.seq_len or the batch size"
             )
         # (n_windows, seq_len + 1)
         self.windows = tokens[: n_windows * (seq_len + 1)].view(n_windows, seq_len + 1)
         self.local_batch_size, self.dp_rank, self.dp_size, self.seed = local_batch_size, dp_rank, dp_size, seed
-        self.batches_per_epoch = windows_per_rank // local_batch_size
+        self.global_batch = global_batch
+        self.batches_per_epoch = n_windows // global_batch
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         epoch = 0
+        per_rank = self.global_batch // self.dp_size
         while True:
             g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
             order = torch.randperm(self.windows.shape[0], generator=g)
-            mine = order[self.dp_rank :: self.dp_size]
             for b in range(self.batches_per_epoch):
-                idx = mine[b * self.local_batch_size : (b + 1) * self.local_batch_size]
-                batch = self.windows[idx]  # (B, T + 1)
-                yield batch[:, :-1].contiguous(), batch[:, 1:].contiguous()  # (B, T), (B, T)
+                mine = order[b * self.global_batch + self.dp_rank * per_rank :][:per_rank]
+                for m in range(self.accumulation_steps):
+                    idx = mine[m * self.local_batch_size : (m + 1) * self.local_batch_size]
+                    batch = self.windows[idx]  # (B, T + 1)
+                    yield batch[:, :-1].contiguous(), batch[:, 1:].contiguous()  # (B, T), (B, T)
             epoch += 1
+
+
+def accumulation_steps(global_batch_size: int, local_batch_size: int, dp_size: int) -> int:
+    """Micro-batches per optimizer step: global / (local x dp), which must divide exactly."""
+    per_step = local_batch_size * dp_size
+    if global_batch_size <= 0 or global_batch_size % per_step:
+        raise ValueError(
+            f"training.global_batch_size({global_batch_size}) must be a positive multiple of "
+            f"training.local_batch_size({local_batch_size}) x data-parallel degree({dp_size}) = {per_step}; "
+            f"{global_batch_size} / {per_step} = {global_batch_size / per_step:g} micro-batches per step"
+        )
+    return global_batch_size // per_step
 
 
 def build_data_loader(
@@ -77,11 +107,18 @@ def build_data_loader(
     dp_rank: int,
     dp_size: int,
     seed: int,
+    global_batch_size: int | None = None,
 ) -> TokenBatches:
     """The loader for `dataset` (only "embedded" exists) on data-parallel rank `dp_rank` of `dp_size`."""
     if dataset != "embedded":
         raise ValueError(f"training.dataset={dataset!r}: only 'embedded' (trainer/corpus/corpus.txt) is available")
     tokens = load_tokens(tokenizer)
     return TokenBatches(
-        tokens, local_batch_size=local_batch_size, seq_len=seq_len, dp_rank=dp_rank, dp_size=dp_size, seed=seed
+        tokens,
+        local_batch_size=local_batch_size,
+        seq_len=seq_len,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        seed=seed,
+        global_batch_size=global_batch_size,
     )

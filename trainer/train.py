@@ -12,11 +12,12 @@ import dataclasses
 import gc
 import importlib
 import logging
+import math
 import os
 import sys
 import time
 import weakref
-from collections.abc import Iterator
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -30,12 +31,12 @@ from models.llama3 import Transformer, llama3_configs
 from models.llama3.parallelize import parallelize_llama
 from parallelisms.dtensor import DeviceMesh, DTensor, Partial
 from parallelisms.dtensor.init import layout_invariant_init
-from parallelisms.fsdp import MixedPrecisionPolicy
+from parallelisms.fsdp import FSDPModule, MixedPrecisionPolicy
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.tensor_parallel import loss_parallel
 
 from .config import Comm, JobConfig, Parallelism, load_config, save_config, to_toml
-from .data import build_data_loader
+from .data import TokenBatches, build_data_loader
 from .lr_schedule import build_lr_scheduler
 from .metrics import MetricsLogger, flops_per_token
 from .optim import build_optimizer
@@ -150,29 +151,75 @@ def reduce_loss(loss: torch.Tensor, parallel_dims: ParallelDims, world_mesh: Dev
     return loss.item()
 
 
+IGNORE_INDEX = -100  # cross_entropy's default: such targets count neither in the loss nor in its divisor
+
+
+@dataclass(frozen=True)
+class StepResult:
+    loss: torch.Tensor  # this rank's share of the global mean token loss (averaging over dp gives it)
+    grad_norm: float  # the global gradient 2-norm before clipping
+    skipped: bool  # a non-finite step whose optimizer update was skipped
+
+
+def global_target_count(
+    labels: list[torch.Tensor], parallel_dims: ParallelDims, world_mesh: DeviceMesh
+) -> torch.Tensor:
+    """Targets (ignore_index excluded) in the whole step: every micro-batch on every dp rank.
+    One all_reduce of a scalar, left on the device (no host sync)."""
+    local = sum((lab != IGNORE_INDEX).sum() for lab in labels).to(torch.float32)  # type: ignore[union-attr]
+    if parallel_dims.dp_cp_enabled:
+        local = DTensor.from_local(local, world_mesh["dp_cp"], [Partial("sum")]).full_tensor()
+    return local
+
+
 def train_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
-    batch: tuple[torch.Tensor, torch.Tensor],
+    micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
     *,
+    targets: torch.Tensor,
+    dp_size: int,
     max_norm: float,
     use_loss_parallel: bool,
-) -> tuple[torch.Tensor, float]:
-    """One optimizer step on `batch`; returns (the local loss, the global gradient norm)."""
-    inputs, labels = batch
+    skip_nonfinite: bool,
+    step: int,
+) -> StepResult:
+    """One optimizer step over `micro_batches` (gradient accumulation; FSDP reduces only after
+    the last). The loss is the sum of token losses over the whole step divided by its `targets`
+    (the global count), not a mean of means; times `dp_size` because FSDP averages gradients
+    over the dp ranks. A non-finite gradient norm stops the job, naming the step, or with
+    `skip_nonfinite` skips the update (the norm is read every step anyway, for the log)."""
     optimizer.zero_grad(set_to_none=True)
     ctx = loss_parallel() if use_loss_parallel else contextlib.nullcontext()
-    with ctx:  # the backward too runs inside loss_parallel, as torch requires
-        logits = model(inputs)  # (B, T, V)   S(-1) under loss parallelism
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))  # (B*T, V) vs (B*T,)
-        loss.backward()
+    scale = dp_size / targets
+    total: torch.Tensor | None = None
+    for i, (inputs, labels) in enumerate(micro_batches):
+        if isinstance(model, FSDPModule):
+            model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+        with ctx:  # the backward too runs inside loss_parallel, as torch requires
+            logits = model(inputs)  # (B, T, V)   S(-1) under loss parallelism
+            token_sum = F.cross_entropy(
+                logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum", ignore_index=IGNORE_INDEX
+            )  # (B*T, V) vs (B*T,)
+            loss = token_sum * scale
+            loss.backward()
+        total = loss.detach() if total is None else total + loss.detach()
+    assert total is not None, "a step needs at least one micro-batch"
     params = [p for p in model.parameters() if p.grad is not None]
     clip = max_norm if max_norm > 0 else float("inf")
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
-    if isinstance(grad_norm, DTensor):
-        grad_norm = grad_norm.full_tensor()
+    norm = torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
+    grad_norm = (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
+    if not math.isfinite(grad_norm):
+        if not skip_nonfinite:
+            raise FloatingPointError(
+                f"step {step}: the gradient norm is {grad_norm} (a non-finite loss or gradient); lower "
+                f"optimizer.lr or raise lr_scheduler.warmup_steps, or set training.skip_nonfinite_steps=true "
+                f"to skip such steps"
+            )
+        optimizer.zero_grad(set_to_none=True)
+        return StepResult(total, grad_norm, skipped=True)
     optimizer.step()
-    return loss, grad_norm.item()
+    return StepResult(total, grad_norm, skipped=False)
 
 
 def use_loss_parallel(cfg: JobConfig, parallel_dims: ParallelDims) -> bool:
@@ -182,7 +229,7 @@ def use_loss_parallel(cfg: JobConfig, parallel_dims: ParallelDims) -> bool:
 
 def build_components(
     cfg: JobConfig, world_mesh: DeviceMesh, parallel_dims: ParallelDims, device: torch.device
-) -> tuple[nn.Module, torch.optim.Optimizer, LambdaLR, Iterator[tuple[torch.Tensor, torch.Tensor]], float]:
+) -> tuple[nn.Module, torch.optim.Optimizer, LambdaLR, TokenBatches, float]:
     """The parallelized model, optimizer, lr scheduler, batch iterator and training FLOPs per token."""
     training = cfg.training
     torch.manual_seed(training.seed)  # identical on every rank: the init fills stay in step
@@ -217,45 +264,56 @@ def build_components(
         decay_type=lr_sched.decay_type, min_lr_factor=lr_sched.min_lr_factor,
     )  # fmt: skip
     dp_rank, dp_size = dp_coordinates(parallel_dims, world_mesh)
-    batches = iter(build_data_loader(
+    batches = build_data_loader(
         training.dataset, tokenizer, local_batch_size=training.local_batch_size, seq_len=training.seq_len,
         dp_rank=dp_rank, dp_size=dp_size, seed=training.seed,
-    ))  # fmt: skip
+        global_batch_size=training.global_batch_size if training.global_batch_size > 0 else None,
+    )  # fmt: skip
     return model, optimizer, scheduler, batches, fpt
 
 
 def train(cfg: JobConfig, world_mesh: DeviceMesh, parallel_dims: ParallelDims, device: torch.device) -> list[float]:
     """Build everything from `cfg` and train `cfg.training.steps` steps; returns the logged losses."""
     training = cfg.training
-    model, optimizer, scheduler, batches, fpt = build_components(cfg, world_mesh, parallel_dims, device)
+    model, optimizer, scheduler, loader, fpt = build_components(cfg, world_mesh, parallel_dims, device)
+    batches = iter(loader)
     dp_size = parallel_dims.dp_replicate * parallel_dims.dp_shard
     loss_parallel_on = use_loss_parallel(cfg, parallel_dims)
     is_rank0 = dist.get_rank() == 0
     tb_folder = Path(cfg.job.dump_folder) / "tb" if cfg.metrics.enable_tensorboard and is_rank0 else None
     metrics = MetricsLogger(flops_per_token=fpt, device=device, tb_folder=tb_folder)
     logger.info(
-        "training %s/%s (%.2fM params) for %d steps on %s: %s, global batch %d x %d tokens",
+        "training %s/%s (%.2fM params) for %d steps on %s: %s, global batch %d x %d tokens (%d micro-batches of %d)",
         cfg.model.name, cfg.model.flavor, sum(p.numel() for p in model.parameters()) / 1e6, training.steps,
-        device, world_mesh, training.local_batch_size * dp_size, training.seq_len,
+        device, world_mesh, loader.global_batch, training.seq_len, loader.accumulation_steps,
+        training.local_batch_size,
     )  # fmt: skip
     losses: list[float] = []
+    accumulation = loader.accumulation_steps
+    skipped = 0
     tokens_since, t0 = 0, time.perf_counter()
     for step in range(1, training.steps + 1):
-        inputs, labels = (t.to(device) for t in next(batches))
+        micro = [(x.to(device), y.to(device)) for x, y in (next(batches) for _ in range(accumulation))]
         lr = float(scheduler.get_last_lr()[0])
-        loss, grad_norm = train_step(
-            model, optimizer, (inputs, labels), max_norm=training.max_norm, use_loss_parallel=loss_parallel_on
-        )
+        result = train_step(
+            model, optimizer, micro,
+            targets=global_target_count([lab for _, lab in micro], parallel_dims, world_mesh),
+            dp_size=dp_size, max_norm=training.max_norm, use_loss_parallel=loss_parallel_on,
+            skip_nonfinite=training.skip_nonfinite_steps, step=step,
+        )  # fmt: skip
+        if result.skipped:
+            skipped += 1
+            logger.warning("step %d: non-finite gradient norm, optimizer step skipped (%d so far)", step, skipped)
         scheduler.step()
-        tokens_since += inputs.numel()
+        tokens_since += sum(inputs.numel() for inputs, _ in micro)
         if step % cfg.metrics.log_freq == 0 or step == training.steps:
-            global_loss = reduce_loss(loss, parallel_dims, world_mesh)
+            global_loss = reduce_loss(result.loss, parallel_dims, world_mesh)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             metrics.log(
                 step,
                 loss=global_loss,
-                grad_norm=grad_norm,
+                grad_norm=result.grad_norm,
                 lr=lr,
                 tokens=tokens_since,
                 seconds=time.perf_counter() - t0,

@@ -96,3 +96,17 @@ def test_tp_layouts_train_like_fsdp2(tmp_path: Path, layout: list[str]) -> None:
     fsdp = _losses(run_world(_train_rank, 2, [*argv, "--job.dump_folder", str(tmp_path / "fsdp")])[0])
     other = _losses(run_world(_train_rank, 4, [*argv, "--job.dump_folder", str(tmp_path / "tp"), *layout])[0])
     assert len(fsdp) == 3 and other == pytest.approx(fsdp, abs=2e-4), (fsdp, other)  # logged to 4 decimals
+
+
+def test_accumulation_through_the_trainer(tmp_path: Path) -> None:
+    """global_batch_size 8 on 2 ranks: 2 micro-batches of 2 follow 1 batch of 4 step for step."""
+    argv = [
+        "--job.config_file", str(REPO / "configs" / "debug_model.toml"),
+        "--training.steps", "3", "--training.seq_len", "64", "--lr_scheduler.warmup_steps", "0",
+        "--training.global_batch_size", "8",
+    ]  # fmt: skip
+    whole = _losses(run_world(_train_rank, 2, [*argv, "--job.dump_folder", str(tmp_path / "a"),
+                                               "--training.local_batch_size", "4"])[0])  # fmt: skip
+    micro = _losses(run_world(_train_rank, 2, [*argv, "--job.dump_folder", str(tmp_path / "b"),
+                                               "--training.local_batch_size", "2"])[0])  # fmt: skip
+    assert len(whole) == 3 and micro == pytest.approx(whole, abs=2e-4), (whole, micro)
