@@ -19,6 +19,7 @@ else
   RDZV=(--rdzv_backend c10d --rdzv_endpoint "${RDZV_ENDPOINT:?set RDZV_ENDPOINT=host:port of node 0}" --node_rank "$NODE_RANK")
 fi
 export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo}
+NGPU=$NGPU NNODES=$NNODES LOG_RANK=$LOG_RANK python -m trainer.preflight --job.config_file "$CONFIG_FILE" "$@" || exit 1  # fail fast, before torchrun
 exec torchrun --nproc_per_node="$NGPU" --nnodes="$NNODES" "${RDZV[@]}" \
   --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
   -m trainer.train --job.config_file "$CONFIG_FILE" "$@"

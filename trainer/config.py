@@ -60,14 +60,14 @@ class LRScheduler:
 
 @dataclass(kw_only=True)
 class Training:
-    local_batch_size: int = 8
+    local_batch_size: int = 2
     """Sequences per data-parallel rank per micro-batch."""
     global_batch_size: int = -1
     """Sequences per optimizer step over all data-parallel ranks; -1: local_batch_size x dp degree.
     A multiple of that accumulates gradients over global / (local x dp) micro-batches."""
-    seq_len: int = 2048
+    seq_len: int = 256
     """Tokens per sequence (also the model's max_seq_len)."""
-    steps: int = 10000
+    steps: int = 10
     """Optimizer steps to train."""
     max_norm: float = 1.0
     """Clip the global gradient 2-norm to this (<= 0 disables clipping, still logs the norm)."""

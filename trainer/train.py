@@ -40,6 +40,7 @@ from .data import TokenBatches, build_data_loader
 from .lr_schedule import build_lr_scheduler
 from .metrics import MetricsLogger, flops_per_token
 from .optim import build_optimizer
+from .preflight import check_config
 from .tokenizer import ByteTokenizer
 
 logger = logging.getLogger(__name__)
@@ -329,11 +330,13 @@ def train(cfg: JobConfig, world_mesh: DeviceMesh, parallel_dims: ParallelDims, d
 def run_job(cfg: JobConfig, device: torch.device, world_size: int) -> None:
     """Everything between joining the world and teardown; what it builds (the mesh, model,
     optimizer) is garbage once it returns."""
+    check_config(cfg, world_size)  # the pre-flight's checks, on every rank (python -m trainer.train)
+    parallel_dims = build_parallel_dims(cfg.parallelism, world_size)
+    check_unsupported(cfg, parallel_dims)
+    # written only once the config is known good: a failed start leaves the last run's config alone
     logger.info("%s; resolved config:\n%s", cfg.job.description, to_toml(cfg))
     if dist.get_rank() == 0:
         logger.info("config saved to %s", save_config(cfg, cfg.job.dump_folder))
-    parallel_dims = build_parallel_dims(cfg.parallelism, world_size)
-    check_unsupported(cfg, parallel_dims)
     world_mesh = parallel_dims.build_mesh(device.type)
     train(cfg, world_mesh, parallel_dims, device)
 

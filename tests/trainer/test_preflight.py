@@ -1,0 +1,58 @@
+"""Pre-flight: ./run_train.sh rejects bad configs before torchrun starts, in about a second,
+with the key and the fix on the last line, and leaves an earlier run's outputs alone."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from trainer.config import load_config
+from trainer.preflight import check_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _run(args: list[str], **env: str) -> tuple[int, str, float]:
+    start = time.perf_counter()
+    done = subprocess.run(
+        ["./run_train.sh", *args], cwd=REPO, env={**os.environ, "NGPU": "2", **env},
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    return done.returncode, lines[-1] if lines else "", time.perf_counter() - start
+
+
+@pytest.mark.parametrize(
+    "args, env, message",
+    [
+        (["--training.steps", "0"], {}, "training.steps=0: must be >= 1"),
+        (["--training.local_batch_size", "0"], {}, "training.local_batch_size=0: must be >= 1"),
+        (["--training.seq_len", "0"], {}, "training.seq_len=0: must be >= 1"),
+        (["--metrics.log_freq", "0"], {}, "metrics.log_freq=0: must be >= 1"),
+        (["--optimizer.lr", "-1"], {}, "optimizer.lr=-1.0: must be >= 0"),
+        (["--training.stepz", "3"], {}, "did you mean 'steps'"),
+        (["--parallelism.tensor_parallel_degree", "3"], {}, "must equal the world size 2"),
+        (
+            ["--parallelism.tensor_parallel_degree", "3"],
+            {"NGPU": "3"},
+            "must divide the debugmodel flavor's n_heads(16)",
+        ),
+        (["--training.global_batch_size", "6"], {}, "x data-parallel degree(2) = 4; 6 / 4 = 1.5 micro-batches"),
+        ([], {"LOG_RANK": "5"}, "LOG_RANK='5': rank 5 does not exist in a world of 2"),
+    ],
+)
+def test_bad_config_fails_before_torchrun(tmp_path: Path, args: list[str], env: dict[str, str], message: str) -> None:
+    earlier = tmp_path / "config.toml"
+    earlier.write_text("# an earlier run's config\n")
+    rc, last, seconds = _run([*args, "--job.dump_folder", str(tmp_path)], **env)
+    assert rc == 1 and message in last, (rc, last)
+    assert seconds < 20, seconds
+    assert earlier.read_text() == "# an earlier run's config\n"  # nothing written
+
+
+def test_check_config_accepts_the_debug_job() -> None:
+    check_config(load_config(["--job.config_file", str(REPO / "configs" / "debug_model.toml")]), world_size=2)

@@ -1,0 +1,112 @@
+"""Pre-flight: reject a bad configuration before any rank starts, naming the key and the fix.
+
+`./run_train.sh` runs `python -m trainer.preflight <its args>` before torchrun: it parses the config
+(unknown keys and types fail in config.py, with a did-you-mean), checks values and the degree
+arithmetic against the world that torchrun will start (NGPU x NNODES), and exits 1 with the error
+on the last line, in about a second. The trainer runs the same checks (`check_config`) on every rank.
+Only the standard library and the flavor table are imported here (no torch), so it stays fast.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from .config import JobConfig, load_config
+
+# (key, check, what it must be) for values that have a valid range
+_RANGES: list[tuple[str, Callable[[Any], bool], str]] = [
+    ("training.steps", lambda v: v >= 1, ">= 1"),
+    ("training.local_batch_size", lambda v: v >= 1, ">= 1"),
+    ("training.seq_len", lambda v: v >= 1, ">= 1"),
+    ("training.global_batch_size", lambda v: v == -1 or v >= 1, "-1 (local x dp) or >= 1"),
+    ("optimizer.lr", lambda v: v >= 0, ">= 0"),
+    ("optimizer.eps", lambda v: v > 0, "> 0"),
+    ("optimizer.weight_decay", lambda v: v >= 0, ">= 0"),
+    ("lr_scheduler.warmup_steps", lambda v: v >= 0, ">= 0"),
+    ("lr_scheduler.min_lr_factor", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("metrics.log_freq", lambda v: v >= 1, ">= 1"),
+    ("parallelism.data_parallel_replicate_degree", lambda v: v >= 1, ">= 1"),
+    ("parallelism.data_parallel_shard_degree", lambda v: v == -1 or v >= 1, "-1 (the rest of the world) or >= 1"),
+    ("parallelism.tensor_parallel_degree", lambda v: v >= 1, ">= 1"),
+    ("parallelism.context_parallel_degree", lambda v: v >= 1, ">= 1"),
+    ("parallelism.pipeline_parallel_degree", lambda v: v >= 1, ">= 1"),
+    ("comm.init_timeout_seconds", lambda v: v > 0, "> 0"),
+]
+
+
+def check_config(cfg: JobConfig, world_size: int | None = None) -> None:
+    """Raise ValueError naming the first bad key (ranges, degrees, divisibility by tp)."""
+    for key, ok, want in _RANGES:
+        section, name = key.split(".")
+        if not hasattr(cfg, section) or not hasattr(getattr(cfg, section), name):
+            continue
+        value = getattr(getattr(cfg, section), name)
+        if not ok(value):
+            raise ValueError(f"{key}={value!r}: must be {want}")
+    p = cfg.parallelism
+    if world_size is not None:
+        others = p.data_parallel_replicate_degree * p.tensor_parallel_degree
+        others *= p.context_parallel_degree * p.pipeline_parallel_degree
+        shard = p.data_parallel_shard_degree if p.data_parallel_shard_degree != -1 else world_size // others
+        if shard < 1 or others * shard != world_size:
+            raise ValueError(
+                f"parallelism degrees: data_parallel_replicate_degree({p.data_parallel_replicate_degree}) x "
+                f"data_parallel_shard_degree({p.data_parallel_shard_degree}) x tensor_parallel_degree"
+                f"({p.tensor_parallel_degree}) x context_parallel_degree({p.context_parallel_degree}) x "
+                f"pipeline_parallel_degree({p.pipeline_parallel_degree}) must equal the world size {world_size} "
+                f"(NGPU x NNODES); change a degree or the number of processes"
+            )
+        gbs, local = cfg.training.global_batch_size, cfg.training.local_batch_size
+        dp = p.data_parallel_replicate_degree * shard
+        if gbs != -1 and gbs % (local * dp):
+            raise ValueError(
+                f"training.global_batch_size({gbs}) must be a multiple of training.local_batch_size({local}) x "
+                f"data-parallel degree({dp}) = {local * dp}; {gbs} / {local * dp} = {gbs / (local * dp):g} "
+                f"micro-batches per step"
+            )
+    _check_tp_divides_model(cfg)
+
+
+def _check_tp_divides_model(cfg: JobConfig) -> None:
+    from models.llama3.args import llama3_configs  # dataclasses only, no torch
+
+    tp = cfg.parallelism.tensor_parallel_degree
+    if cfg.model.name != "llama3" or cfg.model.flavor not in llama3_configs:
+        return  # build_model names the bad flavor
+    args = llama3_configs[cfg.model.flavor]
+    kv = args.n_heads if args.n_kv_heads is None else args.n_kv_heads
+    for what, n in (("n_heads", args.n_heads), ("n_kv_heads", kv)):
+        if n % tp:
+            raise ValueError(
+                f"parallelism.tensor_parallel_degree({tp}) must divide the {cfg.model.flavor} flavor's {what}({n}): "
+                f"each TP rank holds whole heads; pick a divisor of {n}"
+            )
+    if cfg.training.seq_len % tp:
+        raise ValueError(
+            f"training.seq_len({cfg.training.seq_len}) must be divisible by parallelism.tensor_parallel_degree({tp}) "
+            f"(sequence parallelism shards it); pick a multiple of {tp}"
+        )
+
+
+def main(argv: list[str]) -> int:
+    try:
+        cfg = load_config(argv)
+        world = int(os.environ.get("NGPU", "1")) * int(os.environ.get("NNODES", "1"))
+        check_config(cfg, world)
+        log_rank = os.environ.get("LOG_RANK", "0")
+        for r in log_rank.split(","):
+            if r.strip() and not 0 <= int(r) < world:
+                raise ValueError(
+                    f"LOG_RANK={log_rank!r}: rank {r} does not exist in a world of {world}; use 0..{world - 1}"
+                )
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
