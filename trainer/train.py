@@ -306,7 +306,8 @@ def train(cfg: JobConfig, world_mesh: DeviceMesh, parallel_dims: ParallelDims, d
             skipped += 1
             logger.warning("step %d: non-finite gradient norm, optimizer step skipped (%d so far)", step, skipped)
         scheduler.step()
-        tokens_since += sum(inputs.numel() for inputs, _ in micro)
+        # torchtitan's tok/s per device: ranks of one tp x cp x pp group share their tokens
+        tokens_since += sum(inputs.numel() for inputs, _ in micro) // parallel_dims.non_data_parallel_size
         if step % cfg.metrics.log_freq == 0 or step == training.steps:
             global_loss = reduce_loss(result.loss, parallel_dims, world_mesh)
             if device.type == "cuda":
