@@ -223,6 +223,12 @@ def train_step(
     return StepResult(total, grad_norm, skipped=False)
 
 
+def tokens_per_device(micro_batches: list[tuple[torch.Tensor, torch.Tensor]], parallel_dims: ParallelDims) -> int:
+    """This step's tokens per device, torchtitan's definition behind tok/s and MFU: the ranks of one
+    tp x cp x pp group all process the same local tokens, so each device is credited its share."""
+    return sum(inputs.numel() for inputs, _ in micro_batches) // parallel_dims.non_data_parallel_size
+
+
 def use_loss_parallel(cfg: JobConfig, parallel_dims: ParallelDims) -> bool:
     """Logits stay sharded on the vocabulary for the loss: only with TP, and when enabled."""
     return parallel_dims.tp_enabled and cfg.parallelism.enable_loss_parallel
@@ -306,8 +312,7 @@ def train(cfg: JobConfig, world_mesh: DeviceMesh, parallel_dims: ParallelDims, d
             skipped += 1
             logger.warning("step %d: non-finite gradient norm, optimizer step skipped (%d so far)", step, skipped)
         scheduler.step()
-        # torchtitan's tok/s per device: ranks of one tp x cp x pp group share their tokens
-        tokens_since += sum(inputs.numel() for inputs, _ in micro) // parallel_dims.non_data_parallel_size
+        tokens_since += tokens_per_device(micro, parallel_dims)
         if step % cfg.metrics.log_freq == 0 or step == training.steps:
             global_loss = reduce_loss(result.loss, parallel_dims, world_mesh)
             if device.type == "cuda":
