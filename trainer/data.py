@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -98,27 +99,9 @@ def accumulation_steps(global_batch_size: int, local_batch_size: int, dp_size: i
     return global_batch_size // per_step
 
 
-def build_data_loader(
-    dataset: str,
-    tokenizer: ByteTokenizer,
-    *,
-    local_batch_size: int,
-    seq_len: int,
-    dp_rank: int,
-    dp_size: int,
-    seed: int,
-    global_batch_size: int | None = None,
-) -> TokenBatches:
-    """The loader for `dataset` (only "embedded" exists) on data-parallel rank `dp_rank` of `dp_size`."""
+def build_data_loader(dataset: str, tokenizer: ByteTokenizer, **options: Any) -> TokenBatches:
+    """The loader for `dataset` (only "embedded" exists); `options` are TokenBatches' keyword
+    arguments (batch sizes, seq_len, dp_rank / dp_size, seed)."""
     if dataset != "embedded":
         raise ValueError(f"training.dataset={dataset!r}: only 'embedded' (trainer/corpus/corpus.txt) is available")
-    tokens = load_tokens(tokenizer)
-    return TokenBatches(
-        tokens,
-        local_batch_size=local_batch_size,
-        seq_len=seq_len,
-        dp_rank=dp_rank,
-        dp_size=dp_size,
-        seed=seed,
-        global_batch_size=global_batch_size,
-    )
+    return TokenBatches(load_tokens(tokenizer), **options)

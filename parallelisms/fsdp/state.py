@@ -138,22 +138,18 @@ class FSDPState:
 
     def _forward_targets(self) -> list[FSDPState]:
         self._record()
-        if self.forward_prefetch is not None:
-            return self.forward_prefetch
-        order = self.root.forward_order
-        if self.root._recording or self not in order:
-            return []
-        i = order.index(self)
-        return order[i + 1 : i + 2]
+        return self.forward_prefetch if self.forward_prefetch is not None else self._recorded_neighbour(+1)
 
     def _backward_targets(self) -> list[FSDPState]:
-        if self.backward_prefetch is not None:
-            return self.backward_prefetch
+        return self.backward_prefetch if self.backward_prefetch is not None else self._recorded_neighbour(-1)
+
+    def _recorded_neighbour(self, offset: int) -> list[FSDPState]:
+        """The group `offset` places from this one in the recorded forward order (none while recording)."""
         order = self.root.forward_order
         if self.root._recording or self not in order:
             return []
-        i = order.index(self)
-        return order[i - 1 : i] if i > 0 else []
+        j = order.index(self) + offset
+        return order[j : j + 1] if 0 <= j < len(order) else []
 
     @staticmethod
     def _prefetch(targets: list[FSDPState]) -> None:

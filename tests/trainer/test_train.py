@@ -62,13 +62,17 @@ def test_main_trains_in_2_rank_world(tmp_path: Path, overrides: list[str]) -> No
     assert (tmp_path / "config.toml").is_file()
 
 
+# the debug model for 3 steps of 64 tokens without warmup, every step logged
+_SHORT_DEBUG_JOB = [
+    "--job.config_file", str(REPO / "configs" / "debug_model.toml"),
+    "--training.steps", "3", "--training.seq_len", "64", "--lr_scheduler.warmup_steps", "0",
+    "--metrics.log_freq", "1",
+]  # fmt: skip
+
+
 def test_hsdp_trains_exactly_like_fsdp_on_4_ranks(tmp_path: Path) -> None:
     # same global batch, same initial weights: HSDP(2 replicas x 2 shards) must follow FSDP(4) step for step
-    argv = [
-        "--job.config_file", str(REPO / "configs" / "debug_model.toml"),
-        "--training.steps", "3", "--training.seq_len", "64", "--lr_scheduler.warmup_steps", "0",
-        "--metrics.log_freq", "1",
-    ]  # fmt: skip
+    argv = _SHORT_DEBUG_JOB
     fsdp = _losses(run_world(_train_rank, 4, [*argv, "--job.dump_folder", str(tmp_path / "fsdp")])[0])
     hsdp_args = ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"]
     hsdp = _losses(run_world(_train_rank, 4, [*argv, "--job.dump_folder", str(tmp_path / "hsdp"), *hsdp_args])[0])
@@ -88,11 +92,7 @@ def test_tp_layouts_train_like_fsdp2(tmp_path: Path, layout: list[str]) -> None:
     """Same data-parallel degree, same data, and the meta-device init gives every layout the same
     weights: FSDP x TP and data-parallel x TP on 4 ranks follow FSDP(2) on 2 ranks step for step
     (fp32; TP reorders sums, hence the tolerance)."""
-    argv = [
-        "--job.config_file", str(REPO / "configs" / "debug_model.toml"),
-        "--training.steps", "3", "--training.seq_len", "64", "--lr_scheduler.warmup_steps", "0",
-        "--metrics.log_freq", "1",
-    ]  # fmt: skip
+    argv = _SHORT_DEBUG_JOB
     fsdp = _losses(run_world(_train_rank, 2, [*argv, "--job.dump_folder", str(tmp_path / "fsdp")])[0])
     other = _losses(run_world(_train_rank, 4, [*argv, "--job.dump_folder", str(tmp_path / "tp"), *layout])[0])
     assert len(fsdp) == 3 and other == pytest.approx(fsdp, abs=2e-4), (fsdp, other)  # logged to 4 decimals
@@ -100,11 +100,7 @@ def test_tp_layouts_train_like_fsdp2(tmp_path: Path, layout: list[str]) -> None:
 
 def test_accumulation_through_the_trainer(tmp_path: Path) -> None:
     """global_batch_size 8 on 2 ranks: 2 micro-batches of 2 follow 1 batch of 4 step for step."""
-    argv = [
-        "--job.config_file", str(REPO / "configs" / "debug_model.toml"),
-        "--training.steps", "3", "--training.seq_len", "64", "--lr_scheduler.warmup_steps", "0",
-        "--training.global_batch_size", "8",
-    ]  # fmt: skip
+    argv = [*_SHORT_DEBUG_JOB, "--training.global_batch_size", "8"]
     whole = _losses(run_world(_train_rank, 2, [*argv, "--job.dump_folder", str(tmp_path / "a"),
                                                "--training.local_batch_size", "4"])[0])  # fmt: skip
     micro = _losses(run_world(_train_rank, 2, [*argv, "--job.dump_folder", str(tmp_path / "b"),
