@@ -4,7 +4,8 @@
 (unknown keys and types fail in config.py, with a did-you-mean), checks values and the degree
 arithmetic against the world that torchrun will start (NGPU x NNODES), and exits 1 with the error
 on the last line, in about a second. The trainer runs the same checks (`check_config`) on every rank.
-Only the standard library and the flavor table are imported here (no torch), so it stays fast.
+Degrees are checked by ParallelDims and the accumulation split by data.accumulation_steps, the
+same code the ranks run; importing them (and torch) keeps it at about a second.
 """
 
 from __future__ import annotations
@@ -28,17 +29,13 @@ _RANGES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("lr_scheduler.warmup_steps", lambda v: v >= 0, ">= 0"),
     ("lr_scheduler.min_lr_factor", lambda v: 0 <= v <= 1, "in [0, 1]"),
     ("metrics.log_freq", lambda v: v >= 1, ">= 1"),
-    ("parallelism.data_parallel_replicate_degree", lambda v: v >= 1, ">= 1"),
-    ("parallelism.data_parallel_shard_degree", lambda v: v == -1 or v >= 1, "-1 (the rest of the world) or >= 1"),
-    ("parallelism.tensor_parallel_degree", lambda v: v >= 1, ">= 1"),
-    ("parallelism.context_parallel_degree", lambda v: v >= 1, ">= 1"),
-    ("parallelism.pipeline_parallel_degree", lambda v: v >= 1, ">= 1"),
     ("comm.init_timeout_seconds", lambda v: v > 0, "> 0"),
 ]
 
 
 def check_config(cfg: JobConfig, world_size: int | None = None) -> None:
-    """Raise ValueError naming the first bad key (ranges, degrees, divisibility by tp)."""
+    """Raise ValueError naming the first bad key: value ranges, divisibility by tp and, given the
+    world size, the degree arithmetic and the global batch split."""
     for key, ok, want in _RANGES:
         section, name = key.split(".")
         if not hasattr(cfg, section) or not hasattr(getattr(cfg, section), name):
@@ -46,26 +43,20 @@ def check_config(cfg: JobConfig, world_size: int | None = None) -> None:
         value = getattr(getattr(cfg, section), name)
         if not ok(value):
             raise ValueError(f"{key}={value!r}: must be {want}")
-    p = cfg.parallelism
-    if world_size is not None:
-        others = p.data_parallel_replicate_degree * p.tensor_parallel_degree
-        others *= p.context_parallel_degree * p.pipeline_parallel_degree
-        shard = p.data_parallel_shard_degree if p.data_parallel_shard_degree != -1 else world_size // others
-        if shard < 1 or others * shard != world_size:
-            raise ValueError(
-                f"parallelism degrees: data_parallel_replicate_degree({p.data_parallel_replicate_degree}) x "
-                f"data_parallel_shard_degree({p.data_parallel_shard_degree}) x tensor_parallel_degree"
-                f"({p.tensor_parallel_degree}) x context_parallel_degree({p.context_parallel_degree}) x "
-                f"pipeline_parallel_degree({p.pipeline_parallel_degree}) must equal the world size {world_size} "
-                f"(NGPU x NNODES); change a degree or the number of processes"
-            )
-        gbs, local = cfg.training.global_batch_size, cfg.training.local_batch_size
-        dp = p.data_parallel_replicate_degree * shard
-        if gbs != -1 and gbs % (local * dp):
-            raise ValueError(
-                f"training.global_batch_size({gbs}) must be a multiple of training.local_batch_size({local}) x "
-                f"data-parallel degree({dp}) = {local * dp}; {gbs} / {local * dp} = {gbs / (local * dp):g} "
-                f"micro-batches per step"
+    if world_size is not None:  # the degree arithmetic and the accumulation split, where they live
+        from parallelisms.parallel_dims import ParallelDims
+
+        from .data import accumulation_steps
+
+        p = cfg.parallelism
+        dims = ParallelDims(
+            dp_replicate=p.data_parallel_replicate_degree, dp_shard=p.data_parallel_shard_degree,
+            cp=p.context_parallel_degree, tp=p.tensor_parallel_degree, pp=p.pipeline_parallel_degree,
+            world_size=world_size,
+        )  # fmt: skip
+        if cfg.training.global_batch_size != -1:
+            accumulation_steps(
+                cfg.training.global_batch_size, cfg.training.local_batch_size, dims.dp_replicate * dims.dp_shard
             )
     _check_tp_divides_model(cfg)
 

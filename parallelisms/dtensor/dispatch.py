@@ -209,8 +209,6 @@ def _first_mesh(args: tuple, kwargs: dict) -> DeviceMesh:
     raise AssertionError("an op reached DTensor dispatch without a DTensor argument")
 
 
-_INT = frozenset({int})
-
 # Plans keyed by scalar *values* are a leak when the values change every call: AdamW passes new bias
 # corrections each step (`_foreach_div_(exp_avg_sq, [c1, c2, ...])`, or `addcdiv_(..., value=-lr_t)`
 # without foreach), which planned every step again and grew the cache by plans per step. Where a
@@ -234,14 +232,23 @@ def _value_free_key(kind: str, key: tuple) -> tuple:
     op, key_args, key_kwargs = key
     if kind == "list":
         args = tuple(("scalars", len(a)) if type(a) is tuple and a and type(a[0]) is float else a for a in key_args)
+        if args == key_args or any(_has_partial(a) for a in key_args):
+            return key
         return (op, args, key_kwargs)
     if float not in map(type, key_args) and not any(type(v) is float for _, v in key_kwargs):
         return key
-    if any(type(a) is DTensorSpec and a._partial for a in key_args):
+    if any(_has_partial(a) for a in key_args):
         return key
     args = tuple(_FLOAT if type(a) is float else a for a in key_args)
     kwargs = tuple((n, _FLOAT if type(v) is float else v) for n, v in key_kwargs)
     return (op, args, kwargs)
+
+
+def _has_partial(a: Any) -> bool:
+    """A Partial spec, or a list holding one (rules read scalar values for Partial inputs)."""
+    if type(a) is DTensorSpec:
+        return a._partial
+    return type(a) is tuple and any(type(x) is DTensorSpec and x._partial for x in a)
 
 
 _INT = frozenset({int})

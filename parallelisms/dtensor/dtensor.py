@@ -253,7 +253,8 @@ def reduced_local(tensor: DTensor, target: tuple[Placement, ...]) -> torch.Tenso
 
     A grad norm or a loss stays Partial until something needs its value, and then several things
     do: clip_grad_norm_'s coefficient, then the logger's `full_tensor()`. Remembering the reduced
-    value on the DTensor makes the second read free. The memo is keyed by the target and the
+    value on the DTensor makes the second read free (a copy of at most _MEMO_NUMEL elements, never
+    an alias of the first). The memo is keyed by the target and the
     version counters of the shard, the DTensor and the reduced tensor, so any in-place change to
     any of them (through the DTensor or behind its back) recomputes it.
     """
@@ -264,7 +265,7 @@ def reduced_local(tensor: DTensor, target: tuple[Placement, ...]) -> torch.Tenso
     if memo is not None:
         key, reduced = memo
         if key == (target, local._version, tensor._version, reduced._version):
-            return reduced
+            return reduced.clone()  # two reads must not alias: a caller may write into its result
     out = redistribute_local(local, tensor._spec, target)
     if local.numel() <= _MEMO_NUMEL and tensor._spec.has_partial():
         tensor._reduced = ((target, local._version, tensor._version, out._version), out)

@@ -38,12 +38,11 @@ class layout_invariant_init(TorchFunctionMode):
     """
 
     def __enter__(self) -> layout_invariant_init:
-        self._torch_trunc_normal = nn.init.trunc_normal_
         nn.init.trunc_normal_ = _trunc_normal_
         return super().__enter__()
 
     def __exit__(self, *exc_info: Any) -> None:
-        nn.init.trunc_normal_ = self._torch_trunc_normal
+        nn.init.trunc_normal_ = _TORCH_TRUNC_NORMAL
         super().__exit__(*exc_info)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -53,7 +52,8 @@ class layout_invariant_init(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _uniform_(tensor: torch.Tensor, a: float = 0.0, b: float = 1.0, **_: Any) -> torch.Tensor:
+def _uniform_(tensor: torch.Tensor, a: float = 0.0, b: float = 1.0, **kwargs: Any) -> torch.Tensor:
+    a, b = kwargs.pop("from", a), kwargs.pop("to", b)  # Tensor.uniform_(from=, to=) by keyword
     return _fill(tensor, torch.rand, lambda v: v.mul(b - a).add_(a))
 
 
@@ -123,18 +123,13 @@ def _init_kaiming_uniform_(
     return _uniform_(tensor, -bound, bound)
 
 
-def _init_constant_(tensor: torch.Tensor, val: float) -> torch.Tensor:
-    with torch.no_grad():
-        return tensor.fill_(val)
-
-
-# Tensor methods, and the nn.init functions that hand themselves to torch-function modes (their
-# inner Tensor calls would then run with this mode switched off, so they are done here instead).
+# Tensor methods, and the random nn.init functions that hand themselves to torch-function modes
+# (their inner Tensor calls would then run with this mode switched off, so they are done here;
+# nn.init.constant_ does the same but draws nothing, so torch's own runs).
 _FILLS: dict[Any, Any] = {
     torch.Tensor.uniform_: _uniform_,
     torch.Tensor.normal_: _normal_,
     nn.init.normal_: _init_normal_,
     nn.init.uniform_: _init_uniform_,
     nn.init.kaiming_uniform_: _init_kaiming_uniform_,
-    nn.init.constant_: _init_constant_,
 }

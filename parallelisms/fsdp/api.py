@@ -111,7 +111,7 @@ def fully_shard(
             "cuda" if available, else "cpu".
         reshard_after_forward: free the unsharded parameters after forward (all-gather them again
             in backward). An int k reshards onto groups of k consecutive shard ranks instead
-            (k / world of the parameters stay, backward gathers over k ranks); it must divide the
+            (1 / k of the parameters stay, backward gathers over k ranks); it must divide the
             shard dim's size and lie strictly between 1 and it. None (the default, as in torch):
             True, except for the root module.
         mp_policy: dtypes of the unsharded parameters, gradient reduction and outputs.

@@ -29,6 +29,9 @@ from parallelisms.dtensor.collectives import InFlight
 from .param import FSDPParam
 from .policy import MixedPrecisionPolicy
 
+# k-rank groups of reshard_after_forward=k: (root, group, this rank's index in it) per (root, dims, k)
+_PARTIAL_GROUPS: dict[tuple, tuple] = {}
+
 
 class ParamGroup:
     """The FSDPParams of one fully_shard call, with the collectives that move them."""
@@ -50,7 +53,7 @@ class ParamGroup:
         self._partial_group: torch.distributed.ProcessGroup | None = None
         self._partial_block: int = 0  # which block of rank slots this rank keeps
         self._partial: torch.Tensor | None = None  # (world / k, group_numel) kept after forward
-        self._gathered: torch.Tensor | None = None  # the last all-gather's (world, group_numel)
+        self._kept: torch.Tensor | None = None  # the block reshard_to_partial keeps, cut at the gather
         self._reducing: tuple[InFlight, list[FSDPParam]] | None = None  # a reduce-scatter in flight
 
     @property
@@ -89,13 +92,16 @@ class ParamGroup:
         self._gathering = None
         shard_dim = self.mesh.ndim - 1
         per_rank = gathered.view(self.mesh.size(shard_dim), self.group_numel)  # (shard world, group_numel)
-        self._gathered = per_rank if self._partial_group is not None else None
+        if self._partial_group is not None and torch._C._current_graph_task_id() == -1:
+            # forward under reshard_after_forward=k: keep only the block this rank holds after it
+            k = self._partial_group.size()
+            self._kept = per_rank.view(k, -1, self.group_numel)[self._partial_block].clone()
         for p, offset in zip(self.params, self.offsets):
             p.fill_unsharded(per_rank[:, offset : offset + p.slot_numel])
             assert p.unsharded is not None
             p.register(p.unsharded)
         self.is_unsharded = True
-        self._waiting = {i for i, p in enumerate(self.params) if p.requires_grad}
+        self.expect_grads()
 
     def reshard(self) -> None:
         """Register the sharded parameters again and free the unsharded data."""
@@ -107,37 +113,45 @@ class ParamGroup:
             p.register(p.sharded)
             p.free_unsharded()
         self.is_unsharded = False
-        self._gathered = None
+        self._kept = None
 
     def use_partial_reshard(self, k: int) -> None:
-        """Create the k-rank groups of reshard_after_forward=k (a collective: every rank of the
-        world calls it, for every group, in the same order)."""
-        shard_dim = self.mesh.ndim - 1
-        world = self.mesh.size(shard_dim)
-        rows = self.mesh.mesh.reshape(-1, world).tolist()  # every replica's shard ranks (HSDP: several)
-        me = torch.distributed.get_rank()
-        for row in rows:
-            for start in range(0, world, k):
-                ranks = row[start : start + k]
-                group = torch.distributed.new_group(ranks)
-                if me in ranks:
-                    self._partial_group, self._partial_block = group, ranks.index(me)
+        """Join the k-rank groups of reshard_after_forward=k: consecutive ranks of the shard dim,
+        for every coordinate of the root's other dims (created once per root, dims and k: every
+        rank of the world makes the same new_group calls in the same order)."""
+        root, shard_dims = self.mesh._root, self.mesh._root_dims[-1]
+        key = (id(root), shard_dims, k)
+        if key not in _PARTIAL_GROUPS:
+            rest = [d for d in range(root.ndim) if d not in shard_dims]
+            world = self.mesh.size(self.mesh.ndim - 1)
+            rows = root.mesh.permute(*rest, *shard_dims).reshape(-1, world).tolist()
+            me, mine = torch.distributed.get_rank(), None
+            for row in rows:
+                for start in range(0, world, k):
+                    ranks = row[start : start + k]
+                    group = torch.distributed.new_group(ranks)
+                    if me in ranks:
+                        mine = (group, ranks.index(me))
+            assert mine is not None, "this rank is on the mesh, so in one of its rows"
+            _PARTIAL_GROUPS[key] = (root, *mine)  # the root is held so its id stays unique
+        _, self._partial_group, self._partial_block = _PARTIAL_GROUPS[key]
 
     def drop_partial(self) -> None:
         self._partial = None
 
     def reshard_to_partial(self) -> None:
         """After forward, reshard_after_forward=k: keep this rank's block of the gathered slots
-        (world / k of them) and free the rest; the next unshard gathers over k ranks only."""
-        gathered, self._gathered = self._gathered, None
-        if gathered is not None:
-            assert self._partial_group is not None
-            k = self._partial_group.size()
-            block = gathered.view(k, -1, self.group_numel)[self._partial_block]
-            self._partial = block.clone()
+        (world / k of them, so 1 / k of the parameters) and free the rest; the next unshard
+        gathers over k ranks only."""
+        kept = self._kept
         self.reshard()
+        self._partial = kept
 
     # ------------------------------------------------------------------------------ gradients
+    def expect_grads(self) -> None:
+        """A backward starts: every param that needs a grad is awaited again."""
+        self._waiting = {i for i, p in enumerate(self.params) if p.requires_grad}
+
     def grad_ready(self, param: FSDPParam) -> bool:
         """Note that `param`'s unsharded grad is complete; True once every param that needs one has it."""
         self._waiting.discard(self.params.index(param))

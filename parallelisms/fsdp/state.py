@@ -90,9 +90,11 @@ class FSDPState:
         if not self._forward_pending:  # the group's first module this forward
             self._forward_pending = {id(m) for m in self.modules}
         if torch._C._current_graph_task_id() == -1:  # a real forward, not a recompute in backward
-            self.group.drop_partial()  # kept by a forward no backward consumed: maybe stale
+            targets = self._forward_targets()
+            for state in (self, *targets):  # kept by a forward no backward consumed: maybe stale
+                state.group.drop_partial()
             self.group.unshard()
-            self._prefetch(self._forward_targets())
+            self._prefetch(targets)
         else:
             self.group.unshard()
         dtype = self.policy.param_dtype
@@ -126,8 +128,10 @@ class FSDPState:
         if self.is_root and not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        self._in_backward = True
-        self.group.unshard()
+        if not self._in_backward:  # this group's first output grad of this backward
+            self._in_backward = True
+            self.group.unshard()
+            self.group.expect_grads()  # also when it stayed unsharded (reshard_after_backward=False)
         self._prefetch(self._backward_targets())
 
     # ------------------------------------------------------------------------------ prefetch
@@ -179,9 +183,12 @@ class FSDPState:
     def _end_of_backward(self) -> None:
         self._callback_queued = False
         for state in self.tree:
-            if state.group.is_unsharded or state.group.is_gathering:
+            # post_backward did not run (params without grads, unused outputs, or no params):
+            # reduce what there is and reshard; groups kept unsharded on purpose stay so
+            unfinished = state._in_backward or state.group.is_gathering
+            if unfinished or (state.group.is_unsharded and state.reshard_after_backward):
                 state.post_backward()
-            state._in_backward = False  # a group with no params (often the root) never ran post_backward
+            state._in_backward = False
         for state in self._reducing:
             state.group.finish_reduce()
         self._reducing.clear()

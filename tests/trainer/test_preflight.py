@@ -35,7 +35,7 @@ def _run(args: list[str], **env: str) -> tuple[int, str, float]:
         (["--metrics.log_freq", "0"], {}, "metrics.log_freq=0: must be >= 1"),
         (["--optimizer.lr", "-1"], {}, "optimizer.lr=-1.0: must be >= 0"),
         (["--training.stepz", "3"], {}, "did you mean 'steps'"),
-        (["--parallelism.tensor_parallel_degree", "3"], {}, "must equal the world size 2"),
+        (["--parallelism.tensor_parallel_degree", "3"], {}, "world_size(2) is not divisible by tp_degree(3)"),
         (
             ["--parallelism.tensor_parallel_degree", "3"],
             {"NGPU": "3"},
