@@ -1,10 +1,15 @@
-"""Resharding distributed checkpoint on safetensors (DESIGN.md section 5; issue 9).
+"""Resharding distributed checkpoint on safetensors (DESIGN.md section 5).
 
-Built so far: `planner.py`, the pure resharding math that `save`/`load` will stand on (which byte
-ranges of which saved chunks fill a rank's shard). `checkpoint.save` / `checkpoint.load` do not exist
-yet; the trainer refuses `checkpoint.enable = true` with a clear error until they do.
+`save(state_dict, dir)` writes a committed checkpoint atomically (one safetensors file per writing
+rank + `index.json`); `async_save` stages to CPU and writes on a background thread; `load(state_dict,
+dir)` fills any layout, any world size, from any layout. Nothing is ever pickled.
 """
 
+from .distributed import LoadResult, async_save, load, save
+from .format import CheckpointError, Index, read_index
 from .planner import Chunk, ReadStep, read_plan
 
-__all__ = ["Chunk", "ReadStep", "read_plan"]
+__all__ = [
+    "CheckpointError", "Chunk", "Index", "LoadResult", "ReadStep", "async_save", "load", "read_index", "read_plan",
+    "save",
+]  # fmt: skip

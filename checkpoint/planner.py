@@ -9,8 +9,13 @@ chunk, the slices to read from the chunk and where they land in the shard. Pure 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import torch
+
+from parallelisms.dtensor.placements import Placement, local_shape_and_offset
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,3 +66,46 @@ def _numel(shape: Sequence[int]) -> int:
     for s in shape:
         n *= s
     return n
+
+
+# ---------------------------------------------------------------------------------- saving
+@dataclass(frozen=True, slots=True)
+class Holding:
+    """Rank `rank` holds the box `chunk` of a tensor (its local shard)."""
+
+    rank: int
+    chunk: Chunk
+
+
+def holdings(global_shape: Sequence[int], mesh_ranks: torch.Tensor, placements: Sequence[Placement]) -> list[Holding]:
+    """The box every rank of the mesh (`mesh_ranks`: global rank per coordinate) holds, in rank order."""
+    out = []
+    for coordinate in itertools.product(*(range(n) for n in mesh_ranks.shape)):
+        shape, offset = local_shape_and_offset(global_shape, mesh_ranks.shape, coordinate, placements)
+        out.append(Holding(int(mesh_ranks[coordinate]), Chunk(tuple(offset), tuple(shape))))
+    return sorted(out, key=lambda h: h.rank)
+
+
+def assign_owners(tensors: dict[str, tuple[int, list[Holding]]]) -> dict[str, list[Holding]]:
+    """Who writes which chunk: every distinct non-empty box of each tensor exactly once, by one of
+    the ranks holding it. `tensors` maps a key to (bytes per element, its holdings).
+
+    Replicated boxes go to the holder with the fewest bytes so far (ties: the lowest rank), largest
+    boxes first, so the writers' bytes balance (greedy longest-first). Pure and deterministic:
+    every rank computes the same owners without communicating."""
+    boxes: list[tuple[int, str, Chunk, list[int]]] = []
+    for key, (itemsize, held) in tensors.items():
+        holders: dict[Chunk, list[int]] = {}
+        for h in held:
+            if _numel(h.chunk.shape):
+                holders.setdefault(h.chunk, []).append(h.rank)
+        boxes += [(_numel(c.shape) * itemsize, key, c, ranks) for c, ranks in holders.items()]
+    load: dict[int, int] = {}
+    owners: dict[str, list[Holding]] = {key: [] for key in tensors}
+    for nbytes, key, chunk, ranks in sorted(boxes, key=lambda b: (-b[0], b[1], b[2].offset)):
+        owner = min(ranks, key=lambda r: (load.get(r, 0), r))
+        load[owner] = load.get(owner, 0) + nbytes
+        owners[key].append(Holding(owner, chunk))
+    for held in owners.values():
+        held.sort(key=lambda h: h.chunk.offset)
+    return owners
