@@ -8,8 +8,9 @@ dir)` fills any layout, any world size, from any layout. Nothing is ever pickled
 from .distributed import LoadResult, async_save, load, save
 from .format import CheckpointError, Index, read_index
 from .planner import Chunk, ReadStep, read_plan
+from .reader import read_tensor
 
 __all__ = [
     "CheckpointError", "Chunk", "Index", "LoadResult", "ReadStep", "async_save", "load", "read_index", "read_plan",
-    "save",
+    "read_tensor", "save",
 ]  # fmt: skip

@@ -88,12 +88,13 @@ class _StagedSave:
             report: tuple[int, WrittenFile | None, str | None] = (self.rank, written, None)
         except Exception as e:  # reported to every rank, so none waits forever on the others
             report = (self.rank, None, f"rank {self.rank}: {type(e).__name__}: {e}")
-        reports: list[Any] = [None] * self.world_size
-        dist.all_gather_object(reports, report, group=self.group)
-        status: list[Any] = [None]
-        if self.rank == 0:
-            status[0] = self._commit(reports)
-        dist.broadcast_object_list(status, src=0, group=self.group)
+        reports: list[Any] = [report]
+        if self.world_size > 1:
+            reports = [None] * self.world_size
+            dist.all_gather_object(reports, report, group=self.group)
+        status: list[Any] = [self._commit(reports) if self.rank == 0 else None]
+        if self.world_size > 1:
+            dist.broadcast_object_list(status, src=0, group=self.group)
         if status[0] is not None:
             raise CheckpointError(f"saving {self.final} failed, nothing was committed: {status[0]}")
         return self.final
@@ -161,8 +162,9 @@ def _stage(
     *,
     copy: bool,
 ) -> _StagedSave:
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    if dist.get_world_size(group) != world_size:
+    # without a process group (a conversion tool) this is a world of one
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    if world_size > 1 and dist.get_world_size(group) != world_size:
         raise ValueError("checkpoint saving needs a process group over the whole world")
     tensors, values = {}, {}
     for key, leaf in sorted(flatten(state_dict).items()):
@@ -170,7 +172,8 @@ def _stage(
             tensors[key] = _describe(_reduced(leaf.value), world_size)
         else:
             values[key] = leaf.value
-    _check_same_on_every_rank(tensors, values, group)
+    if world_size > 1:
+        _check_same_on_every_rank(tensors, values, group)
     owners = assign_owners({k: (t.dtype.itemsize, t.held) for k, t in tensors.items()})
     mine = []
     for key, t in tensors.items():
@@ -178,7 +181,7 @@ def _stage(
             if h.rank == rank:
                 assert t.local is not None, f"{key}: rank {rank} owns a chunk it does not hold"
                 mine.append((_chunk_key(key, h.chunk.offset), _to_cpu(t.local, copy=copy)))
-    tmp = _start_directory(final, group, rank)
+    tmp = _start_directory(final, group, rank, world_size)
     return _StagedSave(final, tmp, rank, world_size, group, tensors, owners, mine, values, dict(metadata or {}))
 
 
@@ -224,7 +227,7 @@ def _check_same_on_every_rank(
     )
 
 
-def _start_directory(final: Path, group: dist.ProcessGroup | None, rank: int) -> Path:
+def _start_directory(final: Path, group: dist.ProcessGroup | None, rank: int, world_size: int) -> Path:
     """Rank 0 creates `final.tmp-<id>` (refusing an existing `final`) and tells the others."""
     answer: list[Any] = [None]
     if rank == 0:
@@ -237,7 +240,8 @@ def _start_directory(final: Path, group: dist.ProcessGroup | None, rank: int) ->
                 answer[0] = ("ok", str(tmp))
             except OSError as e:
                 answer[0] = ("error", f"cannot create {tmp}: {e}")
-    dist.broadcast_object_list(answer, src=0, group=group)
+    if world_size > 1:
+        dist.broadcast_object_list(answer, src=0, group=group)
     status, detail = answer[0]
     if status != "ok":
         raise FileExistsError(detail) if "already exists" in detail else CheckpointError(detail)

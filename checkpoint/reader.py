@@ -18,7 +18,7 @@ import torch
 
 from parallelisms.dtensor import DTensor
 
-from .format import ChunkEntry, Index
+from .format import DTYPES, CheckpointError, ChunkEntry, Index, read_index
 from .planner import Chunk, read_plan
 from .storage import CheckedFile, tensor_bytes
 
@@ -87,3 +87,16 @@ def _read_jobs(
         local[dst].copy_(piece)
 
     return [read_and_copy]
+
+
+def read_tensor(directory: str | Path, key: str, *, index: Index | None = None, verify: bool = True) -> torch.Tensor:
+    """The whole tensor `key` of a checkpoint, assembled from its chunks, on the CPU (for one-process
+    tools such as the Hugging Face export, which hold one tensor at a time)."""
+    directory = Path(directory)
+    index = index or read_index(directory)
+    if key not in index.tensors:
+        raise CheckpointError(f"{directory} has no tensor {key!r}")
+    entry = index.tensors[key]
+    out = torch.empty(entry.shape, dtype=DTYPES[entry.dtype])
+    fill_tensors({key: out}, index, directory, verify=verify)
+    return out
