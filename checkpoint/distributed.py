@@ -191,7 +191,7 @@ def _reduced(value: torch.Tensor) -> torch.Tensor:
     if isinstance(value, DTensor) and any(isinstance(p, Partial) for p in value.placements):
         placements = [Replicate() if isinstance(p, Partial) else p for p in value.placements]
         return value.redistribute(value.device_mesh, placements)
-    return value.detach()
+    return value  # only its local tensor is read (detached when staged), so no DTensor op runs
 
 
 def _to_cpu(t: torch.Tensor, *, copy: bool) -> torch.Tensor:
