@@ -34,6 +34,12 @@ class Model:
     """Model family; only "llama3" exists."""
     flavor: str = "debugmodel"
     """Key into the family's flavors (models.llama3.llama3_configs)."""
+    tokenizer_path: str = ""
+    """A Hugging Face tokenizer.json, or a folder holding one (BOS/EOS from tokenizer_config.json next to it,
+    else from its special tokens); "" is the byte tokenizer (vocab 258)."""
+    vocab_size: int = 0
+    """The model's vocabulary; 0 is the tokenizer's. Larger pads the embedding and output (e.g. 2048 for the
+    debugmodel's 2000-token tokenizer, or a multiple of the TP degree); smaller is an error."""
 
 
 @dataclass(kw_only=True)
@@ -76,7 +82,13 @@ class Training:
     skip_nonfinite_steps: bool = False
     """On a NaN/inf loss or gradient norm, skip that optimizer step (counted) instead of stopping."""
     dataset: str = "embedded"
-    """Dataset name; only "embedded" (the corpus shipped in trainer/corpus/) exists."""
+    """Dataset: "embedded" (the corpus shipped in trainer/corpus/, no network) or a Hugging Face hub dataset name
+    (split "train", streamed); with dataset_path set it only names the data."""
+    dataset_path: str = ""
+    """Local data instead: a file, folder or glob of .txt (each blank-line-separated paragraph a document),
+    .json/.jsonl (JSON lines) or .parquet files, streamed in path order and tokenized on the fly."""
+    dataset_text_field: str = "text"
+    """The field holding a document's text in JSON / parquet / hub rows."""
 
 
 @dataclass(kw_only=True)

@@ -23,6 +23,7 @@ _RANGES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("training.local_batch_size", lambda v: v >= 1, ">= 1"),
     ("training.seq_len", lambda v: v >= 1, ">= 1"),
     ("training.global_batch_size", lambda v: v == -1 or v >= 1, "-1 (local x dp) or >= 1"),
+    ("model.vocab_size", lambda v: v >= 0, ">= 0 (0: the tokenizer's)"),
     ("optimizer.lr", lambda v: v >= 0, ">= 0"),
     ("optimizer.eps", lambda v: v > 0, "> 0"),
     ("optimizer.weight_decay", lambda v: v >= 0, ">= 0"),
@@ -59,6 +60,26 @@ def check_config(cfg: JobConfig, world_size: int | None = None) -> None:
                 cfg.training.global_batch_size, cfg.training.local_batch_size, dims.dp_replicate * dims.dp_shard
             )
     _check_tp_divides_model(cfg)
+    _check_data(cfg)
+
+
+def _check_data(cfg: JobConfig) -> None:
+    """The tokenizer loads, model.vocab_size covers it and tp divides the vocabulary (each TP rank
+    holds an equal slice of the embedding and output), and dataset_path names data files."""
+    from .tokenizer import build_tokenizer, model_vocab_size  # the tokenizers package only with a path
+
+    vocab = model_vocab_size(build_tokenizer(cfg.model.tokenizer_path), cfg.model.vocab_size)
+    tp = cfg.parallelism.tensor_parallel_degree
+    if vocab % tp:
+        padded = -(-vocab // tp) * tp
+        raise ValueError(
+            f"the model's vocabulary({vocab}) must be divisible by parallelism.tensor_parallel_degree({tp}); "
+            f"set model.vocab_size={padded} (pads the embedding and output)"
+        )
+    if cfg.training.dataset_path:
+        from .data import resolve_data_files
+
+        resolve_data_files(cfg.training.dataset_path)
 
 
 def _check_tp_divides_model(cfg: JobConfig) -> None:

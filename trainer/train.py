@@ -41,7 +41,7 @@ from .lr_schedule import build_lr_scheduler
 from .metrics import MetricsLogger, flops_per_token
 from .optim import build_optimizer
 from .preflight import check_config
-from .tokenizer import ByteTokenizer
+from .tokenizer import build_tokenizer, model_vocab_size
 
 logger = logging.getLogger(__name__)
 
@@ -236,8 +236,8 @@ def build_components(
     """The parallelized model, optimizer, lr scheduler, batch iterator and training FLOPs per token."""
     training = cfg.training
     torch.manual_seed(training.seed)  # identical on every rank: the init fills stay in step
-    tokenizer = ByteTokenizer()
-    model = build_model(cfg, tokenizer.vocab_size)
+    tokenizer = build_tokenizer(cfg.model.tokenizer_path)
+    model = build_model(cfg, model_vocab_size(tokenizer, cfg.model.vocab_size))
     fpt = flops_per_token(
         model, n_layers=model.model_args.n_layers, n_heads=model.model_args.n_heads,
         head_dim=model.model_args.head_dim, seq_len=training.seq_len,
@@ -268,7 +268,8 @@ def build_components(
     )  # fmt: skip
     dp_rank, dp_size = dp_coordinates(parallel_dims, world_mesh)
     batches = build_data_loader(
-        training.dataset, tokenizer, local_batch_size=training.local_batch_size, seq_len=training.seq_len,
+        training.dataset, tokenizer, dataset_path=training.dataset_path, text_field=training.dataset_text_field,
+        local_batch_size=training.local_batch_size, seq_len=training.seq_len,
         dp_rank=dp_rank, dp_size=dp_size, seed=training.seed,
         global_batch_size=training.global_batch_size if training.global_batch_size > 0 else None,
     )  # fmt: skip

@@ -113,3 +113,25 @@ def test_keep_latest_k_purges_only_older_committed_steps(tmp_path) -> None:
         manager.save_if_due(step, last=False)
     assert committed_steps(tmp_path) == [3, 4]
     assert (tmp_path / "step-9.tmp-abc").is_dir()
+
+
+def _async_save_then_mutate(folder: str) -> bool:
+    torch.manual_seed(0)
+    model = nn.Linear(64, 64)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    manager = CheckpointManager(folder, {"model": ModelState(model)}, interval=1, async_mode="async",
+                                last_save_model_only=False)  # fmt: skip
+    manager.save_if_due(1, last=False)  # returns once staged
+    with torch.no_grad():
+        model.weight.add_(1.0)  # training goes on while the writer thread works
+    manager.close()  # waits for the commit
+    fresh = nn.Linear(64, 64)
+    checkpoint.load({"model": ModelState(fresh).state_dict()}, Path(folder) / "step-1")
+    return all(torch.equal(fresh.state_dict()[k], saved[k]) for k in saved)
+
+
+def test_async_save_writes_the_staged_state_while_training_goes_on(tmp_path) -> None:
+    from tests.world import run_world
+
+    assert run_world(_async_save_then_mutate, 2, str(tmp_path)) == [True, True]
+    assert committed_steps(tmp_path) == [1]
