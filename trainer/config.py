@@ -124,7 +124,27 @@ class Metrics:
 @dataclass(kw_only=True)
 class Checkpoint:
     enable: bool = False
-    """Checkpointing is a later issue: True raises NotImplementedError."""
+    """Save checkpoints, and resume from the latest committed one in `folder` on start."""
+    folder: str = "checkpoint"
+    """Where checkpoints go, under job.dump_folder: one committed `step-<N>/` per save."""
+    interval: int = 500
+    """Save every this many steps (and at the last step)."""
+    keep_latest_k: int = 10
+    """Keep only the newest k committed checkpoints (0: keep all)."""
+    async_mode: Literal["disabled", "async"] = "disabled"
+    """"async": stage to CPU memory and write on a background thread (the loop waits only for the copy)."""
+    last_save_model_only: bool = True
+    """The save at the last step holds only the model (in export_dtype): a smaller export, not a resume point."""
+    export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """dtype of the model in a model-only last save."""
+    initial_load_path: str = ""
+    """With no checkpoint in `folder` yet, start from this checkpoint directory (e.g. made by `from-hf`)."""
+    initial_load_model_only: bool = True
+    """From initial_load_path load only the model (not the optimizer, data position, ...)."""
+    exclude_from_loading: list[str] = field(default_factory=list)
+    """Top-level states not to resume (e.g. ["dataloader", "optimizer"])."""
+    load_step: int = -1
+    """Resume from this step's checkpoint instead of the latest (-1: latest)."""
 
 
 @dataclass(kw_only=True)
@@ -182,6 +202,12 @@ def parse_value(raw: Any, tp: Any, name: str) -> Any:
         if raw is None or (isinstance(raw, str) and raw.lower() in ("none", "null")):
             return None
         return parse_value(raw, args[0], name)
+    if origin is list:  # a TOML array, or a comma-separated CLI string
+        items = raw.split(",") if isinstance(raw, str) else raw
+        if not isinstance(items, list):
+            raise TypeError(f"{name}={raw!r}: expected a list (TOML array or comma-separated)")
+        return [parse_value(item.strip() if isinstance(item, str) else item, typing.get_args(tp)[0], name)
+                for item in items if item != ""]  # fmt: skip
     if origin is Literal:
         choices = typing.get_args(tp)
         if raw not in choices:

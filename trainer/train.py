@@ -27,6 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
+from checkpoint.manager import CheckpointManager
+from checkpoint.stateful import ModelState, OptimizerState, RngState
 from models.llama3 import Transformer, llama3_configs
 from models.llama3.parallelize import parallelize_llama
 from parallelisms.dtensor import DeviceMesh, DTensor, Partial
@@ -42,6 +44,7 @@ from .metrics import MetricsLogger, flops_per_token
 from .optim import build_optimizer
 from .preflight import check_config
 from .tokenizer import build_tokenizer, model_vocab_size
+from .train_state import TrainState
 
 logger = logging.getLogger(__name__)
 
@@ -99,8 +102,6 @@ def build_parallel_dims(cfg: Parallelism, world_size: int) -> ParallelDims:
 
 def check_unsupported(cfg: JobConfig) -> None:
     """Fail early, with the fix, on options that are configured but not built yet."""
-    if cfg.checkpoint.enable:
-        raise NotImplementedError("checkpointing is not implemented yet (a later issue); set checkpoint.enable=false")
     if cfg.compile.enable:
         raise NotImplementedError("torch.compile is not wired into the trainer yet; set compile.enable=false")
 
@@ -280,23 +281,57 @@ def train(cfg: JobConfig, world_mesh: DeviceMesh, parallel_dims: ParallelDims, d
     """Build everything from `cfg` and train `cfg.training.steps` steps; returns the logged losses."""
     training = cfg.training
     model, optimizer, scheduler, loader, fpt = build_components(cfg, world_mesh, parallel_dims, device)
-    batches = iter(loader)
-    dp_size = parallel_dims.dp_replicate * parallel_dims.dp_shard
-    loss_parallel_on = use_loss_parallel(cfg, parallel_dims)
-    is_rank0 = dist.get_rank() == 0
-    tb_folder = Path(cfg.job.dump_folder) / "tb" if cfg.metrics.enable_tensorboard and is_rank0 else None
-    metrics = MetricsLogger(flops_per_token=fpt, device=device, tb_folder=tb_folder)
     logger.info(
         "training %s/%s (%.2fM params) for %d steps on %s: %s, global batch %d x %d tokens (%d micro-batches of %d)",
         cfg.model.name, cfg.model.flavor, sum(p.numel() for p in model.parameters()) / 1e6, training.steps,
         device, world_mesh, loader.global_batch, training.seq_len, loader.accumulation_steps,
         training.local_batch_size,
     )  # fmt: skip
+    train_state = TrainState()
+    checkpointer = build_checkpointer(cfg, model, optimizer, scheduler, loader, train_state)
+    try:
+        return _train_loop(cfg, parallel_dims, world_mesh, device, model, optimizer, scheduler, loader, fpt,
+                           train_state, checkpointer)  # fmt: skip
+    finally:
+        if checkpointer is not None:
+            checkpointer.close()  # an async save in flight is committed before the job ends
+
+
+def build_checkpointer(
+    cfg: JobConfig, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: LambdaLR, loader: TokenBatches,
+    train_state: TrainState,
+) -> CheckpointManager | None:  # fmt: skip
+    """The checkpoint manager over every stateful component, resumed already (train_state.step is
+    the step to continue after); None when checkpointing is off."""
+    if not cfg.checkpoint.enable:
+        return None
+    options = {k: v for k, v in dataclasses.asdict(cfg.checkpoint).items() if k not in ("enable", "folder")}
+    states = {
+        "model": ModelState(model), "optimizer": OptimizerState(model, optimizer), "lr_scheduler": scheduler,
+        "dataloader": loader, "train_state": train_state, "rng": RngState(),
+    }  # fmt: skip
+    metadata = {"job_config": cfg.to_dict(), "model_args": dataclasses.asdict(model.model_args)}  # type: ignore[arg-type]
+    manager = CheckpointManager(Path(cfg.job.dump_folder) / cfg.checkpoint.folder, states, metadata=metadata, **options)
+    train_state.step = manager.load()
+    return manager
+
+
+def _train_loop(
+    cfg: JobConfig, parallel_dims: ParallelDims, world_mesh: DeviceMesh, device: torch.device, model: nn.Module,
+    optimizer: torch.optim.Optimizer, scheduler: LambdaLR, loader: TokenBatches, fpt: float, train_state: TrainState,
+    checkpointer: CheckpointManager | None,
+) -> list[float]:  # fmt: skip
+    training = cfg.training
+    batches = iter(loader)
+    dp_size = parallel_dims.dp_replicate * parallel_dims.dp_shard
+    loss_parallel_on = use_loss_parallel(cfg, parallel_dims)
+    is_rank0 = dist.get_rank() == 0
+    tb_folder = Path(cfg.job.dump_folder) / "tb" if cfg.metrics.enable_tensorboard and is_rank0 else None
+    metrics = MetricsLogger(flops_per_token=fpt, device=device, tb_folder=tb_folder)
     losses: list[float] = []
     accumulation = loader.accumulation_steps
-    skipped = 0
     tokens_since, t0 = 0, time.perf_counter()
-    for step in range(1, training.steps + 1):
+    for step in range(train_state.step + 1, training.steps + 1):
         micro = [(x.to(device), y.to(device)) for x, y in (next(batches) for _ in range(accumulation))]
         lr = float(scheduler.get_last_lr()[0])
         result = train_step(
@@ -306,9 +341,12 @@ def train(cfg: JobConfig, world_mesh: DeviceMesh, parallel_dims: ParallelDims, d
             skip_nonfinite=training.skip_nonfinite_steps, step=step,
         )  # fmt: skip
         if result.skipped:
-            skipped += 1
-            logger.warning("step %d: non-finite gradient norm, optimizer step skipped (%d so far)", step, skipped)
+            train_state.skipped_steps += 1
+            logger.warning("step %d: non-finite gradient norm, optimizer step skipped (%d so far)", step,
+                           train_state.skipped_steps)  # fmt: skip
         scheduler.step()
+        train_state.step = step
+        train_state.tokens_seen += sum(x.numel() for x, _ in micro) * dp_size
         tokens_since += tokens_per_device(micro, parallel_dims)
         if step % cfg.metrics.log_freq == 0 or step == training.steps:
             global_loss = reduce_loss(result.loss, parallel_dims, world_mesh)
@@ -324,8 +362,15 @@ def train(cfg: JobConfig, world_mesh: DeviceMesh, parallel_dims: ParallelDims, d
             )
             losses.append(global_loss)
             tokens_since, t0 = 0, time.perf_counter()
+        if checkpointer is not None:
+            saving = time.perf_counter()
+            checkpointer.save_if_due(step, last=step == training.steps)
+            t0 += time.perf_counter() - saving  # a save is not training: tok/s leaves it out
     metrics.close()
-    logger.info("training done: loss %.4f -> %.4f", losses[0], losses[-1])
+    if losses:
+        logger.info("training done: loss %.4f -> %.4f", losses[0], losses[-1])
+    else:
+        logger.info("training done: nothing left to train (resumed at step %d of %d)", train_state.step, training.steps)
     return losses
 
 
