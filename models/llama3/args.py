@@ -5,6 +5,34 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+@dataclass(frozen=True, kw_only=True)
+class RoPEScalingArgs:
+    """Llama 3.1's RoPE frequency scaling (Hugging Face's rope type "llama3"): for long context,
+    wavelengths beyond `original_max_position_embeddings / low_freq_factor` are stretched by
+    `scaling_factor`, those below `original_max_position_embeddings / high_freq_factor` are kept,
+    and the band between is interpolated smoothly. Defaults are Llama 3.1's."""
+
+    scaling_factor: float = 8.0
+    """How much the low frequencies are slowed down (context extension factor)."""
+    low_freq_factor: float = 1.0
+    """original_max_position_embeddings / low_freq_factor: the wavelength above which frequencies are scaled."""
+    high_freq_factor: float = 4.0
+    """original_max_position_embeddings / high_freq_factor: the wavelength below which they are kept."""
+    original_max_position_embeddings: int = 8192
+    """Context length the model was pre-trained with before the extension."""
+
+    def __post_init__(self) -> None:
+        if self.scaling_factor <= 0:
+            raise ValueError(f"rope scaling_factor({self.scaling_factor}) must be > 0")
+        if not 0 < self.low_freq_factor < self.high_freq_factor:
+            raise ValueError(
+                f"rope scaling needs 0 < low_freq_factor({self.low_freq_factor}) < high_freq_factor"
+                f"({self.high_freq_factor}): the band between them is interpolated"
+            )
+        if self.original_max_position_embeddings <= 0:
+            raise ValueError(f"original_max_position_embeddings({self.original_max_position_embeddings}) must be > 0")
+
+
 @dataclass(kw_only=True)
 class TransformerModelArgs:
     """Shape and numerics of a Llama 3 transformer."""
@@ -27,6 +55,8 @@ class TransformerModelArgs:
     """RMSNorm epsilon."""
     rope_theta: float = 10000.0
     """RoPE base frequency."""
+    rope_scaling: RoPEScalingArgs | None = None
+    """Llama 3.1 RoPE frequency scaling; None (the default) is plain RoPE."""
     max_seq_len: int = 2048
     """Longest sequence the precomputed rotary table covers (the trainer sets it to training.seq_len)."""
     depth_init: bool = True

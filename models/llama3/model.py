@@ -8,18 +8,44 @@ n_heads / tp query heads and n_kv_heads / tp key/value heads runs the same code.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .args import TransformerModelArgs
+from .args import RoPEScalingArgs, TransformerModelArgs
 
 
-def precompute_freqs_cis(head_dim: int, end: int, theta: float = 10000.0) -> torch.Tensor:
-    """RoPE rotations e^{i m theta_j} for positions m < end (Su et al. 2021): (end, head_dim/2) complex64."""
+def precompute_freqs_cis(
+    head_dim: int, end: int, theta: float = 10000.0, scaling: RoPEScalingArgs | None = None
+) -> torch.Tensor:
+    """RoPE rotations e^{i m theta_j} for positions m < end (Su et al. 2021): (end, head_dim/2) complex64.
+    With `scaling`, the frequencies are first rescaled as Llama 3.1 does (`scale_rope_freqs`)."""
     freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2)[: head_dim // 2].float() / head_dim))
+    if scaling is not None:
+        freqs = scale_rope_freqs(freqs, scaling)
     angles = torch.outer(torch.arange(end, device=freqs.device).float(), freqs)  # (end, Dh/2)
     return torch.polar(torch.ones_like(angles), angles)
+
+
+def scale_rope_freqs(freqs: torch.Tensor, scaling: RoPEScalingArgs) -> torch.Tensor:
+    """Llama 3.1's long-context RoPE (Meta's llama-models `apply_scaling`; HF rope type "llama3").
+
+    With L = original_max_position_embeddings and wavelength w = 2 pi / f: frequencies with
+    w < L / high_freq_factor (many turns within the original context) are kept, those with
+    w > L / low_freq_factor are divided by scaling_factor, and in between f is interpolated as
+    (1 - s) f / scaling_factor + s f with s = (L / w - low_freq_factor) / (high_freq_factor - low_freq_factor).
+    """
+    context = scaling.original_max_position_embeddings
+    wavelen = 2 * math.pi / freqs
+    high_freq_wavelen = context / scaling.high_freq_factor
+    low_freq_wavelen = context / scaling.low_freq_factor
+    scaled = torch.where(wavelen > low_freq_wavelen, freqs / scaling.scaling_factor, freqs)
+    smooth = (context / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.scaling_factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
 
 
 def apply_rotary_emb(xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,7 +154,7 @@ class Transformer(nn.Module):
 
     def _precompute_freqs_cis(self) -> torch.Tensor:
         args = self.model_args
-        return precompute_freqs_cis(args.head_dim, args.max_seq_len, args.rope_theta)
+        return precompute_freqs_cis(args.head_dim, args.max_seq_len, args.rope_theta, args.rope_scaling)
 
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
         """(Re)initialize every parameter and buffer, e.g. after building the model on meta."""
