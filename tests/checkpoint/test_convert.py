@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import weakref
 from pathlib import Path
 
 import pytest
@@ -132,19 +134,33 @@ def test_ours_to_hf_to_ours_is_bitwise(exported, tmp_path) -> None:
     _assert_bitwise(fresh.state_dict(), model.state_dict())
 
 
-def _save_fsdp(directory: str) -> list[str]:
-    """Rank function: ARGS's model sharded with fully_shard on every block and the root, saved."""
+def _fsdp_model(seed: int) -> Transformer:
+    """ARGS's model sharded with fully_shard on every block and the root over 2 ranks."""
     from parallelisms.fsdp import fully_shard
     from tests.dtensor.harness import get_mesh
 
     mesh = get_mesh((2,), ("dp_shard",))
-    model = _model(ARGS)
+    model = _model(ARGS, seed)
     for block in model.layers.values():
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    state = model.state_dict()
+    return model
+
+
+def _save_fsdp(directory: str) -> list[str]:
+    """Rank function: the FSDP(2) model saved as the trainer saves it; its state dict's keys."""
+    state = _fsdp_model(seed=0).state_dict()
     checkpoint.save({"model": state}, directory, metadata=_metadata(ARGS))
     return sorted(state)
+
+
+def _load_fsdp(directory: str) -> list[str]:
+    """Rank function: a from-hf checkpoint as the trainer's initial load into FSDP(2) (another
+    seed's weights first); the keys that then differ from the seed-0 model."""
+    model = _fsdp_model(seed=9)
+    checkpoint.load({"model": model.state_dict()}, directory)
+    want = _model(ARGS, seed=0).state_dict()
+    return [k for k, v in model.state_dict().items() if not torch.equal(v.full_tensor(), want[k])]
 
 
 def test_fsdp_saved_checkpoint_round_trips_bitwise(tmp_path) -> None:
@@ -157,6 +173,7 @@ def test_fsdp_saved_checkpoint_round_trips_bitwise(tmp_path) -> None:
     assert _run("to-hf", saved, tmp_path / "hf") == 0
     assert _run("from-hf", tmp_path / "hf", tmp_path / "back") == 0
     _assert_bitwise(_saved_model(tmp_path / "back"), reference)
+    assert run_world(_load_fsdp, 2, str(tmp_path / "back")) == [[], []]
 
 
 def test_to_hf_shards_by_size_and_casts(exported, tmp_path) -> None:
@@ -234,6 +251,40 @@ def test_to_hf_without_any_model_description_says_how_to_fix_it(tmp_path, capsys
     assert _run("to-hf", ours, tmp_path / "hf") == 1
     assert "--flavor" in capsys.readouterr().err
     assert not (tmp_path / "hf").exists() and not list(tmp_path.glob("hf.tmp-*"))
+
+
+def test_to_hf_takes_the_flavor_from_the_command_line_when_the_checkpoint_names_none(tmp_path) -> None:
+    args = dataclasses.replace(llama3_configs["debugmodel"], vocab_size=97)
+    ours = _save_ours(_random_state(args), tmp_path / "step-1", note="no model args")
+    assert _run("to-hf", ours, tmp_path / "hf", "--flavor", "debugmodel") == 0
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["num_hidden_layers"] == 6
+
+
+def test_to_hf_holds_one_shard_and_one_tensor(exported, tmp_path, monkeypatch) -> None:
+    """Every tensor read or converted stays alive only while its shard is being filled."""
+    _, ours, _ = exported
+    alive: list[weakref.ref] = []
+    peak = [0]
+
+    def live_bytes() -> int:
+        tensors = {id(t): t for r in alive if (t := r()) is not None}
+        return sum(t.numel() * t.element_size() for t in tensors.values())
+
+    def tracked(fn):
+        def wrapper(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            alive.append(weakref.ref(out))
+            peak[0] = max(peak[0], live_bytes())
+            return out
+
+        return wrapper
+
+    monkeypatch.setattr(convert, "read_tensor", tracked(convert.read_tensor))
+    monkeypatch.setattr(hf, "to_hf_tensor", tracked(hf.to_hf_tensor))
+    assert _run("to-hf", ours, tmp_path / "hf", "--max-shard-size", "30KB") == 0
+    largest = 176 * 64 * 4  # w1 / w2 / w3 (fp32)
+    total = sum(math.prod(t.shape) * 4 for t in checkpoint.read_index(ours).tensors.values())
+    assert 0 < peak[0] <= 30_000 + 2 * largest < total / 2
 
 
 def test_to_hf_refuses_model_args_that_do_not_fit_the_shapes(tmp_path, capsys) -> None:
