@@ -5,6 +5,8 @@
 #   CONFIG_FILE    TOML job config (default: ./configs/debug_model.toml)
 #   LOG_RANK       ranks whose output is shown, e.g. 0 or 0,1 (default: 0)
 #   NNODES, NODE_RANK, RDZV_ENDPOINT   multi-node rendezvous (host:port of node 0)
+#   MAX_RESTARTS   torchrun restarts the job this many times after a failure (default 0); with
+#                  checkpoint.enable it resumes from the latest committed checkpoint
 # Extra arguments override the config: ./run_train.sh --training.steps 20
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -13,13 +15,18 @@ CONFIG_FILE=${CONFIG_FILE:-"./configs/debug_model.toml"}
 LOG_RANK=${LOG_RANK:-0}
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
+MAX_RESTARTS=${MAX_RESTARTS:-0}
 if [ "$NNODES" -eq 1 ]; then
   RDZV=(--standalone)
 else
   RDZV=(--rdzv_backend c10d --rdzv_endpoint "${RDZV_ENDPOINT:?set RDZV_ENDPOINT=host:port of node 0}" --node_rank "$NODE_RANK")
 fi
 export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo}
+# torchrun shares its rendezvous store with the workers, and a restarted attempt's gloo rendezvous can
+# read the previous attempt's addresses from it ("Gloo connectFullMesh failed ... Connection refused",
+# pytorch/pytorch#167288): give every attempt a store of its own.
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 NGPU=$NGPU NNODES=$NNODES LOG_RANK=$LOG_RANK python -m trainer.preflight --job.config_file "$CONFIG_FILE" "$@" || exit 1  # fail fast, before torchrun
-exec torchrun --nproc_per_node="$NGPU" --nnodes="$NNODES" "${RDZV[@]}" \
+exec torchrun --nproc_per_node="$NGPU" --nnodes="$NNODES" "${RDZV[@]}" --max-restarts "$MAX_RESTARTS" \
   --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
   -m trainer.train --job.config_file "$CONFIG_FILE" "$@"

@@ -3,7 +3,10 @@ and within fp32 tolerance on another parallelism (same data order), from the che
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -73,3 +76,44 @@ def test_resume_on_another_layout_continues_the_same_run(straight, tmp_path, lay
     want, got = _tensors(dump / "checkpoint" / "step-4"), _tensors(tmp_path / "checkpoint" / "step-4")
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def _children(pid: int) -> list[int]:
+    """Direct child processes of `pid` (from /proc; torchrun's rank workers)."""
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+@pytest.mark.e2e
+def test_torchrun_restarts_a_killed_job_from_its_checkpoint(tmp_path) -> None:
+    """./run_train.sh with MAX_RESTARTS=1: a rank SIGKILLed after step 3 brings the job down, torchrun
+    restarts it, it resumes from the latest committed step and finishes like an uninterrupted run."""
+    argv = [a for a in _JOB if a not in ("--job.config_file", str(REPO / "configs" / "debug_model.toml"))]
+    argv[argv.index("--training.steps") + 1] = "5"
+    env = {k: v for k, v in os.environ.items() if k not in ("LOG_RANK", "CONFIG_FILE")}
+    env.update(NGPU="2", MAX_RESTARTS="1", LOG_RANK="0,1")
+    job = subprocess.Popen(["./run_train.sh", *argv, "--job.dump_folder", str(tmp_path)], cwd=REPO, env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    lines, killed = [], False
+    assert job.stdout is not None
+    for line in job.stdout:
+        lines.append(line)
+        if not killed and "step 3 |" in line:
+            ranks = _children(job.pid)
+            assert len(ranks) == 2, (ranks, "".join(lines))
+            os.kill(ranks[1], signal.SIGKILL)
+            killed = True
+    output = "".join(lines)
+    (tmp_path / "output.log").write_text(output)
+    assert job.wait(timeout=300) == 0, output[-4000:]
+    assert killed and "resumed from" in output, output[-4000:]
+    assert committed_steps(tmp_path / "checkpoint")[-1] == 5
+    resumed_step = int(output.split("resumed from")[1].split("step-")[1].split()[0].rstrip(")"))
+    assert resumed_step in (2, 3), output[-4000:]  # the last commit before the kill (2, or 3 if it beat it)
