@@ -31,7 +31,7 @@ from parallelisms.dtensor import DTensor, Partial, Replicate
 from .format import DTYPES, INDEX_FILE, CheckpointError, ChunkEntry, Index, TensorEntry, dtype_name, read_index
 from .planner import Chunk, Holding, assign_owners, holdings
 from .reader import fill_tensors
-from .state_tree import flatten, set_value
+from .state_tree import Leaf, flatten, set_value
 from .storage import WrittenFile, commit, temporary_dir, write_durable, write_safetensors
 
 logger = logging.getLogger(__name__)
@@ -142,7 +142,7 @@ def async_save(
     state_dict: dict[str, Any],
     directory: str | Path,
     *,
-    process_group: dist.ProcessGroup,
+    process_group: dist.ProcessGroup | None,
     executor: ThreadPoolExecutor,
     metadata: dict[str, Any] | None = None,
 ) -> Future[Path]:
@@ -270,7 +270,9 @@ def load(
     directory = Path(directory)
     index = read_index(directory)
     flat = flatten(state_dict)
-    problems, skipped, tensors, values = [], [], {}, {}
+    problems, skipped = [], []
+    tensors: dict[str, Leaf] = {}
+    values: dict[str, Leaf] = {}
     for key, leaf in flat.items():
         problem = _mismatch(key, leaf.value, index)
         if problem is None:

@@ -9,6 +9,7 @@ Reads run on a few threads (`preadv` and CRC-32 release the GIL), in pieces of a
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -40,8 +41,8 @@ def fill_tensors(targets: dict[str, torch.Tensor], index: Index, directory: Path
                     files[chunk.file] = CheckedFile(directory / chunk.file, index.files[chunk.file], verify=verify)
                 jobs += _read_jobs(files[chunk.file], chunk, step.src, local, step.dst)
         with ThreadPoolExecutor(_THREADS) as pool:
-            for f in [pool.submit(job) for job in jobs]:
-                f.result()
+            for done in [pool.submit(job) for job in jobs]:
+                done.result()
     finally:
         for f in files.values():
             f.close()
@@ -76,7 +77,8 @@ def _read_jobs(
         if d_exact:  # straight into the destination, in pieces the threads share
             view = tensor_bytes(local)[d_first * itemsize : d_stop * itemsize]
             return [
-                (lambda lo=lo: file.read_into(begin + lo, view[lo : lo + _PIECE])) for lo in range(0, len(view), _PIECE)
+                functools.partial(file.read_into, begin + lo, view[lo : lo + _PIECE])
+                for lo in range(0, len(view), _PIECE)
             ]
 
     def read_and_copy() -> None:

@@ -72,7 +72,7 @@ def _name(path: Path) -> str:
 
 def set_value(root: dict[str, Any], path: Path, value: Any) -> None:
     """Replace the JSON leaf at `path` by `value`, shaped like the value it replaces (tuples stay tuples)."""
-    parent = root
+    parent: Any = root
     for k in path[:-1]:
         parent = parent[k]
     if isinstance(parent, tuple):

@@ -31,14 +31,15 @@ _IO_SIZE = 64 << 20  # bytes per syscall (Linux caps one read/write at ~2 GiB)
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy."""
     assert t.device.type == "cpu" and t.is_contiguous(), "tensor_bytes needs a contiguous CPU tensor"
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")  # type: ignore[arg-type]
 
 
 class _BlockCrc:
     """CRC-32 per `block_size` bytes of a byte stream fed in arbitrary pieces."""
 
     def __init__(self, block_size: int) -> None:
-        self.block_size, self.crcs, self._crc, self._filled = block_size, [], 0, 0
+        self.block_size, self._crc, self._filled = block_size, 0, 0
+        self.crcs: list[int] = []
 
     def update(self, data: memoryview) -> None:
         pos = 0
@@ -86,7 +87,7 @@ def write_safetensors(
     pieces = [memoryview(header)] + [tensor_bytes(t) for _, t in tensors]
     crc = _BlockCrc(BLOCK_SIZE)
     with ThreadPoolExecutor(1) as pool:
-        checksums = pool.submit(lambda: [crc.update(p) for p in pieces])  # overlaps the writes
+        checksums = pool.submit(_feed, crc, pieces)  # overlaps the writes
         with open(path, "wb", buffering=0) as f:
             for piece in pieces:
                 for pos in range(0, len(piece), _IO_SIZE):
@@ -98,6 +99,11 @@ def write_safetensors(
         ranges[key] = (pos, pos + len(piece))
         pos += len(piece)
     return WrittenFile(FileEntry(pos, BLOCK_SIZE, tuple(crc.finish())), ranges)
+
+
+def _feed(crc: _BlockCrc, pieces: list[memoryview]) -> None:
+    for piece in pieces:
+        crc.update(piece)
 
 
 def _write_all(fd: int, data: memoryview) -> None:
