@@ -31,7 +31,11 @@ _RANGES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("lr_scheduler.min_lr_factor", lambda v: 0 <= v <= 1, "in [0, 1]"),
     ("metrics.log_freq", lambda v: v >= 1, ">= 1"),
     ("comm.init_timeout_seconds", lambda v: v > 0, "> 0"),
+    ("checkpoint.interval", lambda v: v >= 1, ">= 1"),
+    ("checkpoint.keep_latest_k", lambda v: v >= 0, ">= 0 (0: keep all)"),
+    ("checkpoint.load_step", lambda v: v >= -1, "-1 (the latest) or a saved step"),
 ]
+_CHECKPOINT_STATES = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng")
 
 
 def check_config(cfg: JobConfig, world_size: int | None = None) -> None:
@@ -61,6 +65,24 @@ def check_config(cfg: JobConfig, world_size: int | None = None) -> None:
             )
     _check_tp_divides_model(cfg)
     _check_data(cfg)
+    _check_checkpoint(cfg)
+
+
+def _check_checkpoint(cfg: JobConfig) -> None:
+    """exclude_from_loading names states the trainer saves; initial_load_path is a committed checkpoint."""
+    ckpt = cfg.checkpoint
+    unknown = [name for name in ckpt.exclude_from_loading if name not in _CHECKPOINT_STATES]
+    if unknown:
+        raise ValueError(f"checkpoint.exclude_from_loading={ckpt.exclude_from_loading}: {unknown} are not saved "
+                         f"states; choose from {list(_CHECKPOINT_STATES)}")  # fmt: skip
+    if ckpt.enable and ckpt.initial_load_path:
+        from pathlib import Path
+
+        if not (Path(ckpt.initial_load_path) / "index.json").is_file():
+            raise ValueError(
+                f"checkpoint.initial_load_path={ckpt.initial_load_path!r} is not a committed checkpoint (no "
+                f"index.json); point it at a step-<N> directory or at `python -m checkpoint.convert from-hf` output"
+            )
 
 
 def _check_data(cfg: JobConfig) -> None:

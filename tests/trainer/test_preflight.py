@@ -43,6 +43,9 @@ def _run(args: list[str], **env: str) -> tuple[int, str, float]:
         ),
         (["--training.global_batch_size", "6"], {}, "x data-parallel degree(2) = 4; 6 / 4 = 1.5 micro-batches"),
         ([], {"LOG_RANK": "5"}, "LOG_RANK='5': rank 5 does not exist in a world of 2"),
+        (["--checkpoint.interval", "0"], {}, "checkpoint.interval=0: must be >= 1"),
+        (["--checkpoint.exclude_from_loading", "optimiser"], {}, "['optimiser'] are not saved states"),
+        (["--checkpoint.enable", "--checkpoint.initial_load_path", "/no"], {}, "is not a committed checkpoint"),
     ],
 )
 def test_bad_config_fails_before_torchrun(tmp_path: Path, args: list[str], env: dict[str, str], message: str) -> None:

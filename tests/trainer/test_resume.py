@@ -117,3 +117,34 @@ def test_torchrun_restarts_a_killed_job_from_its_checkpoint(tmp_path) -> None:
     assert committed_steps(tmp_path / "checkpoint")[-1] == 5
     resumed_step = int(output.split("resumed from")[1].split("step-")[1].split()[0].rstrip(")"))
     assert resumed_step in (2, 3), output[-4000:]  # the last commit before the kill (2, or 3 if it beat it)
+
+
+def _save_initial_weights(argv: list[str], directory: str) -> None:
+    import torch.distributed as dist
+
+    from checkpoint.stateful import ModelState
+    from trainer.config import load_config
+    from trainer.train import build_components, build_parallel_dims
+
+    cfg = load_config(argv)
+    dims = build_parallel_dims(cfg.parallelism, dist.get_world_size())
+    model = build_components(cfg, dims.build_mesh("cpu"), dims, torch.device("cpu"))[0]
+    checkpoint.save({"model": ModelState(model).state_dict()}, directory)
+
+
+def test_initial_weights_are_bitwise_the_same_on_every_layout(tmp_path) -> None:
+    layouts = {
+        **_LAYOUTS, "tp2": (2, ["--parallelism.tensor_parallel_degree", "2"]),
+        "hsdp": (4, ["--parallelism.data_parallel_replicate_degree", "2",
+                     "--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "1"]),
+    }  # fmt: skip
+    weights = {}
+    for name, (world_size, overrides) in layouts.items():
+        directory = tmp_path / name
+        run_world(_save_initial_weights, world_size, [*_JOB, *overrides], str(directory))
+        weights[name] = _tensors(directory)
+    reference = weights.pop("one")
+    for name, got in weights.items():
+        assert got.keys() == reference.keys(), name
+        differ = [k for k in reference if not torch.equal(got[k], reference[k])]
+        assert not differ, f"{name}: initial {differ[:3]} differ from one process's"
