@@ -231,78 +231,97 @@ def use_loss_parallel(cfg: JobConfig, parallel_dims: ParallelDims) -> bool:
     return parallel_dims.tp_enabled and cfg.parallelism.enable_loss_parallel
 
 
-def build_components(
-    cfg: JobConfig, world_mesh: DeviceMesh, parallel_dims: ParallelDims, device: torch.device
-) -> tuple[nn.Module, torch.optim.Optimizer, LambdaLR, TokenBatches, float]:
-    """The parallelized model, optimizer, lr scheduler, batch iterator and training FLOPs per token."""
-    training = cfg.training
-    torch.manual_seed(training.seed)  # identical on every rank: the init fills stay in step
-    tokenizer = build_tokenizer(cfg.model.tokenizer_path)
-    model = build_model(cfg, model_vocab_size(tokenizer, cfg.model.vocab_size))
-    fpt = flops_per_token(
-        model, n_layers=model.model_args.n_layers, n_heads=model.model_args.n_heads,
-        head_dim=model.model_args.head_dim, seq_len=training.seq_len,
-    )  # fmt: skip
+@dataclass(frozen=True)
+class Runtime:
+    """Where the job runs: its parallel degrees, the world mesh and this rank's device."""
+
+    parallel_dims: ParallelDims
+    world_mesh: DeviceMesh
+    device: torch.device
+
+    @property
+    def dp_size(self) -> int:
+        return self.parallel_dims.dp_replicate * self.parallel_dims.dp_shard
+
+
+@dataclass(frozen=True)
+class Components:
+    """Everything the loop drives; each stateful piece owns its state (`state_dict`) and the
+    checkpointer saves them all."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: LambdaLR
+    loader: TokenBatches
+    train_state: TrainState
+    metrics: MetricsLogger
+    checkpointer: CheckpointManager | None
+
+    def close(self) -> None:
+        try:
+            if self.checkpointer is not None:
+                self.checkpointer.close()  # an async save in flight is committed before the job ends
+        finally:
+            self.metrics.close()
+
+
+def build_model_and_optimizer(
+    cfg: JobConfig, runtime: Runtime, vocab_size: int
+) -> tuple[nn.Module, torch.optim.Optimizer, LambdaLR]:
+    """The parallelized, initialized model, its optimizer and lr scheduler."""
+    torch.manual_seed(cfg.training.seed)  # identical on every rank: the init fills stay in step
+    model = build_model(cfg, vocab_size)
     mp_policy = (
-        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" else None
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if runtime.device.type == "cuda"
+        else None
     )
     parallelize_llama(
-        model,
-        parallel_dims,
-        world_mesh,
-        loss_parallel=use_loss_parallel(cfg, parallel_dims),
-        ac_mode=cfg.activation_checkpoint.mode,
-        mp_policy=mp_policy,
-    )
-    init_model(model, device)
-    optimizer = build_optimizer(
-        model,
-        name=cfg.optimizer.name,
-        lr=cfg.optimizer.lr,
-        eps=cfg.optimizer.eps,
-        weight_decay=cfg.optimizer.weight_decay,
-    )
-    lr_sched = cfg.lr_scheduler
-    scheduler = build_lr_scheduler(
-        optimizer, warmup_steps=lr_sched.warmup_steps, total_steps=training.steps,
-        decay_type=lr_sched.decay_type, min_lr_factor=lr_sched.min_lr_factor,
+        model, runtime.parallel_dims, runtime.world_mesh, loss_parallel=use_loss_parallel(cfg, runtime.parallel_dims),
+        ac_mode=cfg.activation_checkpoint.mode, mp_policy=mp_policy,
     )  # fmt: skip
-    dp_rank, dp_size = dp_coordinates(parallel_dims, world_mesh)
-    batches = build_data_loader(
+    init_model(model, runtime.device)
+    opt = cfg.optimizer
+    optimizer = build_optimizer(model, name=opt.name, lr=opt.lr, eps=opt.eps, weight_decay=opt.weight_decay)
+    sched = cfg.lr_scheduler
+    scheduler = build_lr_scheduler(
+        optimizer, warmup_steps=sched.warmup_steps, total_steps=cfg.training.steps,
+        decay_type=sched.decay_type, min_lr_factor=sched.min_lr_factor,
+    )  # fmt: skip
+    return model, optimizer, scheduler
+
+
+def build_components(cfg: JobConfig, runtime: Runtime) -> Components:
+    """Model, optimizer, scheduler, data, metrics and checkpointer, resumed from the latest
+    checkpoint when there is one (`train_state.step` is then the step to continue after)."""
+    training = cfg.training
+    tokenizer = build_tokenizer(cfg.model.tokenizer_path)
+    model, optimizer, scheduler = build_model_and_optimizer(
+        cfg, runtime, model_vocab_size(tokenizer, cfg.model.vocab_size)
+    )
+    dp_rank, dp_size = dp_coordinates(runtime.parallel_dims, runtime.world_mesh)
+    loader = build_data_loader(
         training.dataset, tokenizer, dataset_path=training.dataset_path, text_field=training.dataset_text_field,
         local_batch_size=training.local_batch_size, seq_len=training.seq_len,
         dp_rank=dp_rank, dp_size=dp_size, seed=training.seed,
         global_batch_size=training.global_batch_size if training.global_batch_size > 0 else None,
     )  # fmt: skip
-    return model, optimizer, scheduler, batches, fpt
-
-
-def train(cfg: JobConfig, world_mesh: DeviceMesh, parallel_dims: ParallelDims, device: torch.device) -> list[float]:
-    """Build everything from `cfg` and train `cfg.training.steps` steps; returns the logged losses."""
-    training = cfg.training
-    model, optimizer, scheduler, loader, fpt = build_components(cfg, world_mesh, parallel_dims, device)
-    logger.info(
-        "training %s/%s (%.2fM params) for %d steps on %s: %s, global batch %d x %d tokens (%d micro-batches of %d)",
-        cfg.model.name, cfg.model.flavor, sum(p.numel() for p in model.parameters()) / 1e6, training.steps,
-        device, world_mesh, loader.global_batch, training.seq_len, loader.accumulation_steps,
-        training.local_batch_size,
-    )  # fmt: skip
+    args = model.model_args  # type: ignore[union-attr]
+    fpt = flops_per_token(
+        model, n_layers=args.n_layers, n_heads=args.n_heads, head_dim=args.head_dim, seq_len=training.seq_len
+    )
+    tb_folder = Path(cfg.job.dump_folder) / "tb" if cfg.metrics.enable_tensorboard and dist.get_rank() == 0 else None
+    metrics = MetricsLogger(flops_per_token=fpt, device=runtime.device, tb_folder=tb_folder)
     train_state = TrainState()
     checkpointer = build_checkpointer(cfg, model, optimizer, scheduler, loader, train_state)
-    try:
-        return _train_loop(cfg, parallel_dims, world_mesh, device, model, optimizer, scheduler, loader, fpt,
-                           train_state, checkpointer)  # fmt: skip
-    finally:
-        if checkpointer is not None:
-            checkpointer.close()  # an async save in flight is committed before the job ends
+    return Components(model, optimizer, scheduler, loader, train_state, metrics, checkpointer)
 
 
 def build_checkpointer(
     cfg: JobConfig, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: LambdaLR, loader: TokenBatches,
     train_state: TrainState,
 ) -> CheckpointManager | None:  # fmt: skip
-    """The checkpoint manager over every stateful component, resumed already (train_state.step is
-    the step to continue after); None when checkpointing is off."""
+    """The checkpoint manager over every stateful component, resumed already; None when off."""
     if not cfg.checkpoint.enable:
         return None
     options = {k: v for k, v in dataclasses.asdict(cfg.checkpoint).items() if k not in ("enable", "folder")}
@@ -316,61 +335,63 @@ def build_checkpointer(
     return manager
 
 
-def _train_loop(
-    cfg: JobConfig, parallel_dims: ParallelDims, world_mesh: DeviceMesh, device: torch.device, model: nn.Module,
-    optimizer: torch.optim.Optimizer, scheduler: LambdaLR, loader: TokenBatches, fpt: float, train_state: TrainState,
-    checkpointer: CheckpointManager | None,
-) -> list[float]:  # fmt: skip
+def train(cfg: JobConfig, runtime: Runtime) -> list[float]:
+    """Build everything from `cfg` and train up to `cfg.training.steps`; returns the logged losses."""
+    c = build_components(cfg, runtime)
     training = cfg.training
-    batches = iter(loader)
-    dp_size = parallel_dims.dp_replicate * parallel_dims.dp_shard
-    loss_parallel_on = use_loss_parallel(cfg, parallel_dims)
-    is_rank0 = dist.get_rank() == 0
-    tb_folder = Path(cfg.job.dump_folder) / "tb" if cfg.metrics.enable_tensorboard and is_rank0 else None
-    metrics = MetricsLogger(flops_per_token=fpt, device=device, tb_folder=tb_folder)
+    logger.info(
+        "training %s/%s (%.2fM params) for %d steps on %s: %s, global batch %d x %d tokens (%d micro-batches of %d)",
+        cfg.model.name, cfg.model.flavor, sum(p.numel() for p in c.model.parameters()) / 1e6, training.steps,
+        runtime.device, runtime.world_mesh, c.loader.global_batch, training.seq_len, c.loader.accumulation_steps,
+        training.local_batch_size,
+    )  # fmt: skip
+    try:
+        return train_loop(cfg, runtime, c)
+    finally:
+        c.close()
+
+
+def train_loop(cfg: JobConfig, runtime: Runtime, c: Components) -> list[float]:
+    """Steps `c.train_state.step + 1 .. training.steps`: fetch, step, log, save."""
+    training, state = cfg.training, c.train_state
+    batches = iter(c.loader)
+    loss_parallel_on = use_loss_parallel(cfg, runtime.parallel_dims)
     losses: list[float] = []
-    accumulation = loader.accumulation_steps
     tokens_since, t0 = 0, time.perf_counter()
-    for step in range(train_state.step + 1, training.steps + 1):
-        micro = [(x.to(device), y.to(device)) for x, y in (next(batches) for _ in range(accumulation))]
-        lr = float(scheduler.get_last_lr()[0])
+    for step in range(state.step + 1, training.steps + 1):
+        micro = [(x.to(runtime.device), y.to(runtime.device)) for x, y in
+                 (next(batches) for _ in range(c.loader.accumulation_steps))]  # fmt: skip
+        lr = float(c.scheduler.get_last_lr()[0])
         result = train_step(
-            model, optimizer, micro,
-            targets=global_target_count([lab for _, lab in micro], parallel_dims, world_mesh),
-            dp_size=dp_size, max_norm=training.max_norm, use_loss_parallel=loss_parallel_on,
+            c.model, c.optimizer, micro,
+            targets=global_target_count([lab for _, lab in micro], runtime.parallel_dims, runtime.world_mesh),
+            dp_size=runtime.dp_size, max_norm=training.max_norm, use_loss_parallel=loss_parallel_on,
             skip_nonfinite=training.skip_nonfinite_steps, step=step,
         )  # fmt: skip
         if result.skipped:
-            train_state.skipped_steps += 1
+            state.skipped_steps += 1
             logger.warning("step %d: non-finite gradient norm, optimizer step skipped (%d so far)", step,
-                           train_state.skipped_steps)  # fmt: skip
-        scheduler.step()
-        train_state.step = step
-        train_state.tokens_seen += sum(x.numel() for x, _ in micro) * dp_size
-        tokens_since += tokens_per_device(micro, parallel_dims)
+                           state.skipped_steps)  # fmt: skip
+        c.scheduler.step()
+        state.step = step
+        state.tokens_seen += sum(x.numel() for x, _ in micro) * runtime.dp_size
+        tokens_since += tokens_per_device(micro, runtime.parallel_dims)
         if step % cfg.metrics.log_freq == 0 or step == training.steps:
-            global_loss = reduce_loss(result.loss, parallel_dims, world_mesh)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            metrics.log(
-                step,
-                loss=global_loss,
-                grad_norm=result.grad_norm,
-                lr=lr,
-                tokens=tokens_since,
-                seconds=time.perf_counter() - t0,
-            )
+            global_loss = reduce_loss(result.loss, runtime.parallel_dims, runtime.world_mesh)
+            if runtime.device.type == "cuda":
+                torch.cuda.synchronize(runtime.device)
+            c.metrics.log(step, loss=global_loss, grad_norm=result.grad_norm, lr=lr, tokens=tokens_since,
+                          seconds=time.perf_counter() - t0)  # fmt: skip
             losses.append(global_loss)
             tokens_since, t0 = 0, time.perf_counter()
-        if checkpointer is not None:
+        if c.checkpointer is not None:
             saving = time.perf_counter()
-            checkpointer.save_if_due(step, last=step == training.steps)
+            c.checkpointer.save_if_due(step, last=step == training.steps)
             t0 += time.perf_counter() - saving  # a save is not training: tok/s leaves it out
-    metrics.close()
     if losses:
         logger.info("training done: loss %.4f -> %.4f", losses[0], losses[-1])
     else:
-        logger.info("training done: nothing left to train (resumed at step %d of %d)", train_state.step, training.steps)
+        logger.info("training done: nothing left to train (resumed at step %d of %d)", state.step, training.steps)
     return losses
 
 
@@ -385,8 +406,7 @@ def run_job(cfg: JobConfig, device: torch.device, world_size: int) -> None:
     logger.info("%s; resolved config:\n%s", cfg.job.description, to_toml(cfg))
     if dist.get_rank() == 0:
         logger.info("config saved to %s", save_config(cfg, cfg.job.dump_folder))
-    world_mesh = parallel_dims.build_mesh(device.type)
-    train(cfg, world_mesh, parallel_dims, device)
+    train(cfg, Runtime(parallel_dims, parallel_dims.build_mesh(device.type), device))
 
 
 def teardown(device: torch.device, *, owns_group: bool) -> None:

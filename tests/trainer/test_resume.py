@@ -124,11 +124,11 @@ def _save_initial_weights(argv: list[str], directory: str) -> None:
 
     from checkpoint.stateful import ModelState
     from trainer.config import load_config
-    from trainer.train import build_components, build_parallel_dims
+    from trainer.train import Runtime, build_model_and_optimizer, build_parallel_dims
 
     cfg = load_config(argv)
     dims = build_parallel_dims(cfg.parallelism, dist.get_world_size())
-    model = build_components(cfg, dims.build_mesh("cpu"), dims, torch.device("cpu"))[0]
+    model = build_model_and_optimizer(cfg, Runtime(dims, dims.build_mesh("cpu"), torch.device("cpu")), 258)[0]
     checkpoint.save({"model": ModelState(model).state_dict()}, directory)
 
 
