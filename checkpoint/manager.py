@@ -89,14 +89,15 @@ class CheckpointManager:
         steps = committed_steps(self.folder)
         if self.load_step >= 0 and self.load_step not in steps:
             raise CheckpointError(f"checkpoint.load_step={self.load_step}: {self.folder} has committed steps {steps}")
-        step = self.load_step if self.load_step >= 0 else (steps[-1] if steps else 0)
-        if step:
+        candidates = [self.load_step] if self.load_step >= 0 else steps[::-1]
+        # the newest resumable one; a model-only save (the last save's export) only seeds the weights
+        resumable = [s for s in candidates if _is_resumable(self.folder / f"step-{s}")]
+        if candidates:
+            step = resumable[0] if resumable else candidates[0]
             directory = self.folder / f"step-{step}"
-            saved = read_index(directory).values
-            model_only = not any(k == "train_state" or k.startswith("train_state.") for k in saved)
-            self._load(directory, model_only=model_only, exclude=self.exclude_from_loading)
-            logger.info("resumed from %s%s", directory, " (model only)" if model_only else "")
-            return 0 if model_only else step
+            self._load(directory, model_only=not resumable, exclude=self.exclude_from_loading)
+            logger.info("resumed from %s%s", directory, "" if resumable else " (model only: training starts at step 0)")
+            return step if resumable else 0
         if self.initial_load_path:
             self._load(Path(self.initial_load_path), model_only=self.initial_load_model_only, exclude=[])
             logger.info("initialized from %s", self.initial_load_path)
@@ -162,6 +163,11 @@ class CheckpointManager:
             (self.folder / f"step-{step}").rename(doomed)
             shutil.rmtree(doomed, ignore_errors=True)
             logger.info("removed checkpoint step %d (keep_latest_k=%d)", step, self.keep_latest_k)
+
+
+def _is_resumable(directory: Path) -> bool:
+    """A checkpoint with the loop's state (not a model-only export)."""
+    return any(k == "train_state" or k.startswith("train_state.") for k in read_index(directory).values)
 
 
 def _barrier() -> None:

@@ -135,3 +135,17 @@ def test_async_save_writes_the_staged_state_while_training_goes_on(tmp_path) -> 
 
     assert run_world(_async_save_then_mutate, 2, str(tmp_path)) == [True, True]
     assert committed_steps(tmp_path) == [1]
+
+
+def test_resume_prefers_the_newest_resumable_step_over_a_model_only_export(tmp_path) -> None:
+    from trainer.train_state import TrainState
+
+    model, state = nn.Linear(2, 2), TrainState()
+    manager = CheckpointManager(tmp_path, {"model": ModelState(model), "train_state": state}, interval=2)
+    for step in range(1, 5):
+        state.step = step
+        manager.save_if_due(step, last=step == 4)  # step 4, the last, is model-only (torchtitan's default)
+    assert committed_steps(tmp_path) == [2, 4]
+    fresh = TrainState()
+    resumed = CheckpointManager(tmp_path, {"model": ModelState(nn.Linear(2, 2)), "train_state": fresh}).load()
+    assert resumed == 2 and fresh.step == 2
