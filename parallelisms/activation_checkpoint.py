@@ -24,7 +24,6 @@ from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
     create_selective_checkpoint_contexts,
-    noop_context_fn,
 )
 
 ACMode = Literal["none", "full", "selective"]
@@ -66,12 +65,14 @@ def checkpoint_module(module: nn.Module, *, selective: bool = False) -> nn.Modul
     if module.__dict__.get("_ac_checkpointed", False):
         raise ValueError(f"{type(module).__name__} is already activation-checkpointed; apply apply_ac once")
     forward = module.forward
-    context_fn: Callable[[], Any] = (
-        functools.partial(create_selective_checkpoint_contexts, _save_matmuls) if selective else noop_context_fn
+    # full AC passes no context_fn: torch.compile (torch 2.13) traces a checkpoint only when its
+    # context_fn is absent or a constant partial; an explicit noop_context_fn fails to trace
+    options: dict[str, Callable[[], Any]] = (
+        {"context_fn": functools.partial(create_selective_checkpoint_contexts, _save_matmuls)} if selective else {}
     )
 
     def checkpointed_forward(*args: Any, **kwargs: Any) -> Any:
-        return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **options, **kwargs)
 
     module.forward = checkpointed_forward
     module.__dict__["_ac_checkpointed"] = True

@@ -119,6 +119,8 @@ class Metrics:
     """Log the metrics line every this many steps (and at the last step)."""
     enable_tensorboard: bool = False
     """Also write the metrics to tensorboard under dump_folder/tb."""
+    peak_tflops: float = 0.0
+    """Peak dense TFLOPS of one device for MFU (0: from the bf16 table by GPU name; on CPU MFU is n/a unless set)."""
 
 
 @dataclass(kw_only=True)
@@ -150,7 +152,47 @@ class Checkpoint:
 @dataclass(kw_only=True)
 class Compile:
     enable: bool = False
-    """torch.compile the blocks (not supported yet: True raises NotImplementedError)."""
+    """torch.compile each transformer block (FSDP / HSDP / one process; not with tensor parallelism)."""
+    backend: str = "inductor"
+    """torch.compile backend: "inductor" (generated kernels), or "aot_eager" / "eager" to check tracing cheaply."""
+
+
+@dataclass(kw_only=True)
+class Validation:
+    enable: bool = False
+    """Compute the loss on held-out data every `freq` steps (and at the last step), without gradients."""
+    freq: int = 10
+    """Validate every this many steps."""
+    steps: int = -1
+    """Validation batches per evaluation (each local_batch_size x dp sequences); -1: the whole held-out set once."""
+    dataset: str = "embedded"
+    """"embedded": trainer/corpus/validation.txt, documents held out of the training corpus. Hub datasets are not
+    read for validation (the loader reads split "train"); use dataset_path."""
+    dataset_path: str = ""
+    """Local held-out files (.txt, .json/.jsonl, .parquet: as training.dataset_path), read once per evaluation."""
+    local_batch_size: int = 0
+    """Sequences per data-parallel rank per validation batch; 0: training.local_batch_size."""
+    seq_len: int = 0
+    """Tokens per validation sequence, at most training.seq_len (the model's max_seq_len); 0: training.seq_len."""
+
+
+@dataclass(kw_only=True)
+class Profiling:
+    enable_profiling: bool = False
+    """Record torch.profiler traces (Chrome JSON, one per rank) of a window of steps every profile_freq steps."""
+    save_traces_folder: str = "profile_traces"
+    """Under job.dump_folder: iteration_<N>/rank<R>_trace.json for the window ending at step N."""
+    profile_freq: int = 10
+    """Trace a window every this many steps: wait profile_freq - warmup - active steps, warm up, then record."""
+    profiler_warmup: int = 3
+    """Steps the profiler runs without recording before each window (its own start-up costs stay out)."""
+    profiler_active: int = 1
+    """Steps recorded in each window."""
+    enable_memory_snapshot: bool = False
+    """CUDA only: record allocator history and dump a snapshot every profile_freq steps (and on OOM), for
+    pytorch.org/memory_viz; on CPU it is skipped with a warning."""
+    save_memory_snapshot_folder: str = "memory_snapshot"
+    """Under job.dump_folder: iteration_<N>/rank<R>_memory_snapshot.pickle."""
 
 
 @dataclass(kw_only=True)
@@ -171,6 +213,8 @@ class JobConfig:
     metrics: Metrics = field(default_factory=Metrics)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     compile: Compile = field(default_factory=Compile)
+    validation: Validation = field(default_factory=Validation)
+    profiling: Profiling = field(default_factory=Profiling)
     comm: Comm = field(default_factory=Comm)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:

@@ -30,10 +30,18 @@ _RANGES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("lr_scheduler.warmup_steps", lambda v: v >= 0, ">= 0"),
     ("lr_scheduler.min_lr_factor", lambda v: 0 <= v <= 1, "in [0, 1]"),
     ("metrics.log_freq", lambda v: v >= 1, ">= 1"),
+    ("metrics.peak_tflops", lambda v: v >= 0, ">= 0 (0: from the GPU's name)"),
     ("comm.init_timeout_seconds", lambda v: v > 0, "> 0"),
     ("checkpoint.interval", lambda v: v >= 1, ">= 1"),
     ("checkpoint.keep_latest_k", lambda v: v >= 0, ">= 0 (0: keep all)"),
     ("checkpoint.load_step", lambda v: v >= -1, "-1 (the latest) or a saved step"),
+    ("validation.freq", lambda v: v >= 1, ">= 1"),
+    ("validation.steps", lambda v: v == -1 or v >= 1, "-1 (the whole held-out set) or >= 1"),
+    ("validation.local_batch_size", lambda v: v >= 0, ">= 0 (0: training.local_batch_size)"),
+    ("validation.seq_len", lambda v: v >= 0, ">= 0 (0: training.seq_len)"),
+    ("profiling.profile_freq", lambda v: v >= 1, ">= 1"),
+    ("profiling.profiler_warmup", lambda v: v >= 0, ">= 0"),
+    ("profiling.profiler_active", lambda v: v >= 1, ">= 1"),
 ]
 _CHECKPOINT_STATES = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng")
 
@@ -66,6 +74,53 @@ def check_config(cfg: JobConfig, world_size: int | None = None) -> None:
     _check_tp_divides_model(cfg)
     _check_data(cfg)
     _check_checkpoint(cfg)
+    _check_validation(cfg)
+    if cfg.profiling.enable_profiling:
+        from .profiling import check_profiling
+
+        check_profiling(cfg.profiling)
+    if cfg.compile.enable:
+        from models.llama3.parallelize import check_compile_supported  # NotImplementedError with TP
+
+        check_compile_supported(cfg.parallelism.tensor_parallel_degree)
+
+
+def _check_validation(cfg: JobConfig) -> None:
+    """Validation sequences fit the model and the TP split, and its data is held out: local files other
+    than the training files, or the embedded held-out corpus (a hub set would be read from "train")."""
+    val, training = cfg.validation, cfg.training
+    if not val.enable:
+        return
+    seq_len, tp = val.seq_len or training.seq_len, cfg.parallelism.tensor_parallel_degree
+    if seq_len > training.seq_len:
+        raise ValueError(
+            f"validation.seq_len({val.seq_len}) must be <= training.seq_len({training.seq_len}), the model's "
+            f"max_seq_len (its RoPE table); lower it, or 0 for training.seq_len"
+        )
+    if seq_len % tp:
+        raise ValueError(
+            f"validation.seq_len({seq_len}) must be divisible by parallelism.tensor_parallel_degree({tp}) (sequence "
+            f"parallelism shards it); pick a multiple of {tp}"
+        )
+    if not val.dataset_path:
+        if val.dataset != "embedded":
+            raise ValueError(
+                f"validation.dataset={val.dataset!r}: hub datasets are not read for validation (the loader reads "
+                f"their split 'train', the training data); set validation.dataset_path to local held-out files, "
+                f"or validation.dataset='embedded'"
+            )
+        return
+    from .data import resolve_data_files
+
+    try:
+        files = {p.resolve() for p in resolve_data_files(val.dataset_path)[1]}
+    except ValueError as e:  # data.py names the training key
+        raise ValueError(str(e).replace("training.dataset_path", "validation.dataset_path")) from None
+    if training.dataset_path and files & {p.resolve() for p in resolve_data_files(training.dataset_path)[1]}:
+        raise ValueError(
+            f"validation.dataset_path={val.dataset_path!r} shares files with training.dataset_path="
+            f"{training.dataset_path!r}: a validation loss on training data is not held out; point it at other files"
+        )
 
 
 def _check_checkpoint(cfg: JobConfig) -> None:
@@ -136,7 +191,7 @@ def main(argv: list[str]) -> int:
                 raise ValueError(
                     f"LOG_RANK={log_rank!r}: rank {r} does not exist in a world of {world}; use 0..{world - 1}"
                 )
-    except (ValueError, TypeError, FileNotFoundError) as e:
+    except (ValueError, TypeError, FileNotFoundError, NotImplementedError) as e:
         print(f"config error: {e}", file=sys.stderr)
         return 1
     return 0

@@ -1,11 +1,13 @@
-"""How a Llama 3 model is parallelized: the TP/SP plan, activation checkpointing, FSDP.
+"""How a Llama 3 model is parallelized: the TP/SP plan, activation checkpointing, torch.compile, FSDP.
 
-Order (DESIGN.md section 4): tensor/sequence parallel plan -> activation checkpointing -> fully_shard
-per block, then the embeddings, then the final norm and output, then the root.
+Order (DESIGN.md section 4, torchtitan's): tensor/sequence parallel plan -> activation checkpointing ->
+per-block torch.compile -> fully_shard per block, then the embeddings, then the final norm and output,
+then the root.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from parallelisms.activation_checkpoint import ACMode, apply_ac
@@ -30,12 +32,18 @@ def parallelize_llama(
     ac_mode: ACMode = "none",
     mp_policy: MixedPrecisionPolicy | None = None,
     reshard_after_forward: bool = True,
+    compile_backend: str | None = None,
 ) -> nn.Module:
-    """Apply TP -> AC -> FSDP to `model` in place, as `parallel_dims` asks; returns `model`."""
+    """Apply TP -> AC -> compile -> FSDP to `model` in place, as `parallel_dims` asks; returns `model`.
+    `compile_backend` (e.g. "inductor") compiles each block; None leaves the model eager."""
     _check_supported(parallel_dims)
+    if compile_backend is not None:
+        check_compile_supported(parallel_dims.tp)
     if parallel_dims.tp_enabled:
         apply_tp(model, world_mesh["tp"], loss_parallel=loss_parallel)
     apply_ac(model, ac_mode)
+    if compile_backend is not None:
+        apply_compile(model, compile_backend)
     dp_mesh = data_parallel_mesh(parallel_dims, world_mesh)
     if dp_mesh is not None:
         apply_fsdp(model, dp_mesh, mp_policy or MixedPrecisionPolicy(), reshard_after_forward)
@@ -66,6 +74,32 @@ def _check_supported(parallel_dims: ParallelDims) -> None:
             raise NotImplementedError(
                 f"{name}_degree({degree}) > 1 is not supported by parallelize_llama yet; set parallelism.{key}=1"
             )
+
+
+def check_compile_supported(tp_degree: int) -> None:
+    """torch.compile cannot trace our DTensor, and TP makes every block parameter and activation one:
+    with fullgraph=True dynamo stops at the first `DTensor.from_local` (TP's input hook), an
+    autograd.Function whose DTensorSpec argument it cannot proxy ("Missing `as_proxy()`"). FSDP alone
+    is fine: its hooks run outside the compiled forward, which sees only plain unsharded parameters."""
+    if tp_degree > 1:
+        raise NotImplementedError(
+            f"compile.enable=true with parallelism.tensor_parallel_degree({tp_degree}) > 1 is not supported: the "
+            f"TP blocks compute on meshtrain DTensors, which torch.compile cannot trace; set compile.enable=false "
+            f"or parallelism.tensor_parallel_degree=1"
+        )
+
+
+def apply_compile(model: nn.Module, backend: str) -> None:
+    """torch.compile each block's forward (torchtitan's per-block compile; the blocks are identical,
+    so one graph serves them all), with fullgraph=True so a graph break is an error, not a slow path.
+
+    The instance's `forward` is replaced, not the module wrapped: `__call__` stays eager, so the
+    fully_shard hooks applied after this (all-gather before forward, reshard after) run outside
+    the compiled region, and parameter names do not change. Compiling happens at the first call
+    (after `to_empty` and init), and again only for a new grad mode (validation's no_grad) or shape.
+    """
+    for block in model.layers.values():  # type: ignore[operator]
+        block.forward = torch.compile(block.forward, backend=backend, fullgraph=True)
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, enable_async_tp: bool = False) -> None:

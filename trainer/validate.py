@@ -1,0 +1,197 @@
+"""Validation: the model's mean token loss on held-out data, every `validation.freq` steps.
+
+Held-out data (`build_held_out_windows`), cut into seq_len+1 windows by the training data machinery
+(trainer/data.py), read once per evaluation:
+- "embedded" (the default): trainer/corpus/validation.txt, 40 documents generated like the training
+  corpus (trainer/corpus/corpus.txt) but none of them in it, nor any of their composed sentences
+  (tests/trainer/test_validate.py checks it). A second seed over corpus.txt would not be held out:
+  every seed cuts the same tokens into the same windows, only in another order.
+- `validation.dataset_path`: local files, streamed as `training.dataset_path` is; it must not be the
+  training path (the pre-flight refuses it).
+Hub datasets are refused: data.py reads a hub set's split "train" only, the training data.
+
+The loss is the global mean over target tokens, like the training loss: the sum of token losses on
+every dp rank over the global count of targets (not a mean of per-batch means), under no_grad with
+the model in eval mode. A validation batch is local_batch_size sequences per dp rank; the last one
+of a pass is padded with ignored targets, so `steps = -1` counts every window exactly once and gives
+the same loss on any dp degree and batch size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from parallelisms.dtensor import DeviceMesh, DTensor, Partial
+from parallelisms.tensor_parallel import loss_parallel
+
+from .data import (
+    CORPUS_PATH,
+    DocumentStream,
+    ShuffledWindows,
+    StreamedWindows,
+    WindowSource,
+    load_tokens,
+    local_documents,
+)
+from .tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+VALIDATION_CORPUS_PATH = CORPUS_PATH.parent / "validation.txt"
+IGNORE_INDEX = -100  # the trainer's (cross_entropy's default): padded rows' targets count nowhere
+
+
+class ScalarWriter(Protocol):
+    """What validation needs of a TensorBoard SummaryWriter."""
+
+    def add_scalar(self, tag: str, scalar_value: float, global_step: int) -> Any: ...
+
+
+# ----------------------------------------------------------------------------------- held-out data
+def build_held_out_windows(
+    dataset: str, tokenizer: Tokenizer, *, dataset_path: str, text_field: str, seq_len: int, seed: int
+) -> WindowSource:
+    """A window source yielding one (1, seq_len + 1) window per "global batch"; `one_pass` reads it once."""
+    if dataset_path:
+        stream = DocumentStream(local_documents(dataset_path, text_field), tokenizer, name=dataset_path)
+        return StreamedWindows(stream, seq_len=seq_len, global_batch_size=1)
+    if dataset == "embedded":
+        tokens = load_tokens(tokenizer, VALIDATION_CORPUS_PATH)
+        return ShuffledWindows(tokens, seq_len=seq_len, global_batch_size=1, seed=seed, name="embedded-validation")
+    raise ValueError(
+        f"validation.dataset={dataset!r}: hub datasets are not read for validation (the loader reads their split "
+        f"'train', the training data); set validation.dataset_path to local held-out files, or use 'embedded'"
+    )
+
+
+def one_pass(source: WindowSource) -> Iterator[torch.Tensor]:
+    """Every window of `source` once, each (seq_len + 1,): the in-memory corpus for one epoch, a stream
+    until it would wrap into its next epoch (the window that crosses the seam is dropped)."""
+    limit = source.batches_per_epoch if isinstance(source, ShuffledWindows) else None
+    for i, (window, after) in enumerate(source.global_batches(0, source.start_cursor())):
+        if (limit is not None and i >= limit) or after.get("epoch", 0) > 0:
+            return
+        yield window[0]  # (T + 1,)
+
+
+def validation_batches(
+    windows: Iterable[torch.Tensor], *, local_batch_size: int, dp_rank: int, dp_size: int, steps: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's (inputs, labels) of each global batch of local_batch_size x dp_size windows, at most
+    `steps` batches (-1: all). A short last batch is padded with rows whose labels are all IGNORE_INDEX,
+    so every rank runs the same number of forwards (FSDP's collectives) and each window counts once."""
+    global_batch = local_batch_size * dp_size
+    it, done = iter(windows), 0
+    while steps < 0 or done < steps:
+        rows = [w for _, w in zip(range(global_batch), it, strict=False)]
+        if not rows:
+            return
+        batch = torch.stack(rows)  # (g, T + 1), g <= G
+        inputs, labels = batch[:, :-1], batch[:, 1:]  # (g, T), (g, T)
+        if len(rows) < global_batch:
+            pad = global_batch - len(rows)
+            inputs = torch.cat([inputs, inputs.new_zeros(pad, inputs.shape[1])])  # (G, T)
+            labels = torch.cat([labels, labels.new_full((pad, labels.shape[1]), IGNORE_INDEX)])  # (G, T)
+        mine = slice(dp_rank * local_batch_size, (dp_rank + 1) * local_batch_size)
+        yield inputs[mine].contiguous(), labels[mine].contiguous()  # (B, T), (B, T)
+        done += 1
+
+
+# ---------------------------------------------------------------------------------------- the loss
+@dataclass(frozen=True)
+class ValidationResult:
+    loss: float  # global mean token loss
+    batches: int  # validation batches (forwards per rank)
+    targets: int  # target tokens counted over every dp rank
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module,
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    *,
+    device: torch.device,
+    dp_mesh: DeviceMesh | None,
+    use_loss_parallel: bool,
+) -> ValidationResult:
+    """The global mean token loss of `model` over `batches` (this rank's part of each), in eval mode
+    (restored after). The token-loss sum and target count are summed over `dp_mesh` in one all-reduce;
+    under loss parallelism the loss is computed on vocabulary-sharded logits."""
+    was_training = model.training
+    model.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=device)  # (token-loss sum, target count)
+    n = 0
+    try:
+        for inputs, labels in batches:
+            inputs, labels = inputs.to(device), labels.to(device)
+            with loss_parallel() if use_loss_parallel else contextlib.nullcontext():  # one-shot: one per batch
+                logits = model(inputs)  # (B, T, V)   S(-1) under loss parallelism
+                token_sum = F.cross_entropy(
+                    logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum", ignore_index=IGNORE_INDEX
+                )  # (B*T, V) vs (B*T,)
+            if isinstance(token_sum, DTensor):
+                token_sum = token_sum.full_tensor()
+            totals += torch.stack([token_sum.double(), (labels != IGNORE_INDEX).sum().double()])
+            n += 1
+    finally:
+        model.train(was_training)
+    if dp_mesh is not None:
+        totals = DTensor.from_local(totals, dp_mesh, [Partial("sum")]).full_tensor()
+    token_sum_total, count = totals.tolist()
+    if count == 0:
+        raise ValueError("the validation data gave no target tokens; lower validation.seq_len or check its files")
+    return ValidationResult(loss=token_sum_total / count, batches=n, targets=int(count))
+
+
+# --------------------------------------------------------------------------------------- component
+class Validator:
+    """Decides when to validate (`should_validate`) and does it: evaluate, log one line, write
+    `validation_metrics/loss` to TensorBoard when given a writer (rank 0's)."""
+
+    def __init__(
+        self,
+        source: WindowSource,
+        *,
+        freq: int,
+        steps: int,
+        local_batch_size: int,
+        last_step: int,
+        dp_rank: int,
+        dp_size: int,
+        dp_mesh: DeviceMesh | None,
+        use_loss_parallel: bool,
+        device: torch.device,
+        writer: ScalarWriter | None = None,
+    ) -> None:
+        self.source, self.freq, self.steps, self.last_step = source, freq, steps, last_step
+        self.local_batch_size, self.dp_rank, self.dp_size, self.dp_mesh = local_batch_size, dp_rank, dp_size, dp_mesh
+        self.use_loss_parallel, self.device, self.writer = use_loss_parallel, device, writer
+
+    def should_validate(self, step: int) -> bool:
+        return step % self.freq == 0 or step == self.last_step
+
+    def validate(self, model: nn.Module, step: int) -> ValidationResult:
+        start = time.perf_counter()
+        batches = validation_batches(
+            one_pass(self.source), local_batch_size=self.local_batch_size, dp_rank=self.dp_rank,
+            dp_size=self.dp_size, steps=self.steps,
+        )  # fmt: skip
+        result = evaluate(
+            model, batches, device=self.device, dp_mesh=self.dp_mesh, use_loss_parallel=self.use_loss_parallel
+        )
+        logger.info(
+            "validate step %d | loss %.4f | batches %d | tokens %s | %.2fs",
+            step, result.loss, result.batches, f"{result.targets:,}", time.perf_counter() - start,
+        )  # fmt: skip
+        if self.writer is not None:
+            self.writer.add_scalar("validation_metrics/loss", result.loss, step)
+        return result
