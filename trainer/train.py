@@ -25,12 +25,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.optim.lr_scheduler import LambdaLR
 
 from checkpoint.manager import CheckpointManager
 from checkpoint.stateful import ModelState, OptimizerState, RngState
 from models.llama3 import Transformer, llama3_configs
-from models.llama3.parallelize import parallelize_llama
+from models.llama3.parallelize import check_compile_supported, parallelize_llama
 from parallelisms.dtensor import DeviceMesh, DTensor, Partial
 from parallelisms.dtensor.init import layout_invariant_init
 from parallelisms.fsdp import FSDPModule, MixedPrecisionPolicy
@@ -39,12 +40,15 @@ from parallelisms.tensor_parallel import loss_parallel
 
 from .config import Comm, JobConfig, Parallelism, load_config, save_config, to_toml
 from .data import TokenBatches, build_data_loader
+from .dump_folder import lock_dump_folder
 from .lr_schedule import build_lr_scheduler
 from .metrics import MetricsLogger, flops_per_token
 from .optim import build_optimizer
 from .preflight import check_config
-from .tokenizer import build_tokenizer, model_vocab_size
+from .profiling import Profiler
+from .tokenizer import Tokenizer, build_tokenizer, model_vocab_size
 from .train_state import TrainState
+from .validate import ScalarWriter, Validator, build_held_out_windows
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +107,7 @@ def build_parallel_dims(cfg: Parallelism, world_size: int) -> ParallelDims:
 def check_unsupported(cfg: JobConfig) -> None:
     """Fail early, with the fix, on options that are configured but not built yet."""
     if cfg.compile.enable:
-        raise NotImplementedError("torch.compile is not wired into the trainer yet; set compile.enable=false")
+        check_compile_supported(cfg.parallelism.tensor_parallel_degree)
 
 
 def build_model(cfg: JobConfig, vocab_size: int) -> Transformer:
@@ -187,14 +191,15 @@ def train_step(
     over the dp ranks. A non-finite gradient norm stops the job, naming the step, or with
     `skip_nonfinite` skips the update (the norm is read every step anyway, for the log)."""
     optimizer.zero_grad(set_to_none=True)
-    ctx = loss_parallel() if use_loss_parallel else contextlib.nullcontext()
     scale = dp_size / targets
     total: torch.Tensor | None = None
     accumulate = isinstance(model, FSDPModule) and len(micro_batches) > 1
     for i, (inputs, labels) in enumerate(micro_batches):
         if accumulate and i in (0, len(micro_batches) - 1):  # off for the first, on for the last
             model.set_requires_gradient_sync(i > 0)  # type: ignore[operator]
-        with ctx:  # the backward too runs inside loss_parallel, as torch requires
+        # a fresh context per micro-batch (a generator context cannot be entered twice); the backward
+        # too runs inside loss_parallel, as torch requires
+        with loss_parallel() if use_loss_parallel else contextlib.nullcontext():
             logits = model(inputs)  # (B, T, V)   S(-1) under loss parallelism
             token_sum = F.cross_entropy(
                 logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum", ignore_index=IGNORE_INDEX
@@ -256,6 +261,8 @@ class Components:
     train_state: TrainState
     metrics: MetricsLogger
     checkpointer: CheckpointManager | None
+    validator: Validator | None  # None: validation off
+    profiler: Profiler  # entered around the loop; a no-op when profiling is off
 
     def close(self) -> None:
         try:
@@ -279,6 +286,7 @@ def build_model_and_optimizer(
     parallelize_llama(
         model, runtime.parallel_dims, runtime.world_mesh, loss_parallel=use_loss_parallel(cfg, runtime.parallel_dims),
         ac_mode=cfg.activation_checkpoint.mode, mp_policy=mp_policy,
+        compile_backend=cfg.compile.backend if cfg.compile.enable else None,
     )  # fmt: skip
     init_model(model, runtime.device)
     opt = cfg.optimizer
@@ -311,10 +319,36 @@ def build_components(cfg: JobConfig, runtime: Runtime) -> Components:
         model, n_layers=args.n_layers, n_heads=args.n_heads, head_dim=args.head_dim, seq_len=training.seq_len
     )
     tb_folder = Path(cfg.job.dump_folder) / "tb" if cfg.metrics.enable_tensorboard and dist.get_rank() == 0 else None
-    metrics = MetricsLogger(flops_per_token=fpt, device=runtime.device, tb_folder=tb_folder)
+    metrics = MetricsLogger(
+        flops_per_token=fpt, device=runtime.device, total_steps=training.steps, tb_folder=tb_folder,
+        peak_tflops_override=cfg.metrics.peak_tflops, rank=dist.get_rank(),
+    )  # fmt: skip
     train_state = TrainState()
     checkpointer = build_checkpointer(cfg, model, optimizer, scheduler, loader, train_state)
-    return Components(model, optimizer, scheduler, loader, train_state, metrics, checkpointer)
+    validator = build_validator(cfg, runtime, tokenizer, writer=metrics.writer)
+    profiler = Profiler(cfg.profiling, dump_folder=Path(cfg.job.dump_folder), rank=dist.get_rank(),
+                        device=runtime.device, global_step=train_state.step)  # fmt: skip
+    return Components(model, optimizer, scheduler, loader, train_state, metrics, checkpointer, validator, profiler)
+
+
+def build_validator(
+    cfg: JobConfig, runtime: Runtime, tokenizer: Tokenizer, *, writer: ScalarWriter | None
+) -> Validator | None:
+    """The held-out loss every validation.freq steps; its batch size and seq_len default to training's."""
+    val, training = cfg.validation, cfg.training
+    if not val.enable:
+        return None
+    source = build_held_out_windows(
+        val.dataset, tokenizer, dataset_path=val.dataset_path, text_field=training.dataset_text_field,
+        seq_len=val.seq_len or training.seq_len, seed=training.seed,
+    )  # fmt: skip
+    dp_rank, dp_size = dp_coordinates(runtime.parallel_dims, runtime.world_mesh)
+    return Validator(
+        source, freq=val.freq, steps=val.steps, local_batch_size=val.local_batch_size or training.local_batch_size,
+        last_step=training.steps, dp_rank=dp_rank, dp_size=dp_size,
+        dp_mesh=runtime.world_mesh["dp_cp"] if runtime.parallel_dims.dp_cp_enabled else None,
+        use_loss_parallel=use_loss_parallel(cfg, runtime.parallel_dims), device=runtime.device, writer=writer,
+    )  # fmt: skip
 
 
 def build_checkpointer(
@@ -346,7 +380,8 @@ def train(cfg: JobConfig, runtime: Runtime) -> list[float]:
         training.local_batch_size,
     )  # fmt: skip
     try:
-        return train_loop(cfg, runtime, c)
+        with c.profiler:
+            return train_loop(cfg, runtime, c)
     finally:
         c.close()
 
@@ -357,10 +392,13 @@ def train_loop(cfg: JobConfig, runtime: Runtime, c: Components) -> list[float]:
     batches = iter(c.loader)
     loss_parallel_on = use_loss_parallel(cfg, runtime.parallel_dims)
     losses: list[float] = []
-    tokens_since, t0 = 0, time.perf_counter()
+    c.metrics.begin(state)
+    tokens_since, data_since, t0 = 0, 0.0, time.perf_counter()
     for step in range(state.step + 1, training.steps + 1):
+        fetch = time.perf_counter()
         micro = [(x.to(runtime.device), y.to(runtime.device)) for x, y in
                  (next(batches) for _ in range(c.loader.accumulation_steps))]  # fmt: skip
+        data_since += time.perf_counter() - fetch  # next(batches) and the host-to-device copies
         lr = float(c.scheduler.get_last_lr()[0])
         result = train_step(
             c.model, c.optimizer, micro,
@@ -381,15 +419,20 @@ def train_loop(cfg: JobConfig, runtime: Runtime, c: Components) -> list[float]:
             if runtime.device.type == "cuda":
                 torch.cuda.synchronize(runtime.device)
             c.metrics.log(step, loss=global_loss, grad_norm=result.grad_norm, lr=lr, tokens=tokens_since,
-                          seconds=time.perf_counter() - t0)  # fmt: skip
+                          seconds=time.perf_counter() - t0, data_seconds=data_since)  # fmt: skip
             losses.append(global_loss)
-            tokens_since, t0 = 0, time.perf_counter()
+            tokens_since, data_since, t0 = 0, 0.0, time.perf_counter()
         if c.checkpointer is not None:
             saving = time.perf_counter()
             c.checkpointer.save_if_due(step, last=step == training.steps)
             t0 += time.perf_counter() - saving  # a save is not training: tok/s leaves it out
+        if c.validator is not None and c.validator.should_validate(step):
+            validating = time.perf_counter()
+            c.validator.validate(c.model, step)
+            t0 += time.perf_counter() - validating  # nor is validation
+        c.profiler.step()
     if losses:
-        logger.info("training done: loss %.4f -> %.4f", losses[0], losses[-1])
+        c.metrics.log_summary(state)
     else:
         logger.info("training done: nothing left to train (resumed at step %d of %d)", state.step, training.steps)
     return losses
@@ -402,11 +445,15 @@ def run_job(cfg: JobConfig, device: torch.device, world_size: int) -> None:
     check_config(cfg, world_size)  # the pre-flight's checks, on every rank (python -m trainer.train)
     parallel_dims = build_parallel_dims(cfg.parallelism, world_size)
     check_unsupported(cfg)
-    # written only once the config is known good: a failed start leaves the last run's config alone
-    logger.info("%s; resolved config:\n%s", cfg.job.description, to_toml(cfg))
-    if dist.get_rank() == 0:
-        logger.info("config saved to %s", save_config(cfg, cfg.job.dump_folder))
-    train(cfg, Runtime(parallel_dims, parallel_dims.build_mesh(device.type), device))
+    lock = lock_dump_folder(cfg.job.dump_folder)  # before writing anything there: one live job per folder
+    try:
+        # written only once the config is known good: a failed start leaves the last run's config alone
+        logger.debug("resolved config:\n%s", to_toml(cfg))
+        if dist.get_rank() == 0:
+            logger.info("%s; resolved config saved to %s", cfg.job.description, save_config(cfg, cfg.job.dump_folder))
+        train(cfg, Runtime(parallel_dims, parallel_dims.build_mesh(device.type), device))
+    finally:
+        lock.release()
 
 
 def teardown(device: torch.device, *, owns_group: bool) -> None:
@@ -433,6 +480,7 @@ def teardown(device: torch.device, *, owns_group: bool) -> None:
         )
 
 
+@record  # torchrun's error file: its summary names the first failing rank's real error, not a bystander's
 def main(argv: list[str] | None = None) -> int:
     cfg = load_config(sys.argv[1:] if argv is None else argv)
     device = build_device()

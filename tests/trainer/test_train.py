@@ -106,3 +106,14 @@ def test_accumulation_through_the_trainer(tmp_path: Path) -> None:
     micro = _losses(run_world(_train_rank, 2, [*argv, "--job.dump_folder", str(tmp_path / "b"),
                                                "--training.local_batch_size", "2"])[0])  # fmt: skip
     assert len(whole) == 3 and micro == pytest.approx(whole, abs=2e-4), (whole, micro)
+
+
+def test_accumulation_under_tensor_parallelism(tmp_path: Path) -> None:
+    """TP(2) with 2 micro-batches of 2 follows 1 batch of 4 (loss_parallel entered once per micro-batch)."""
+    argv = [*_SHORT_DEBUG_JOB, "--training.global_batch_size", "4", "--parallelism.tensor_parallel_degree", "2",
+            "--parallelism.data_parallel_shard_degree", "1"]  # fmt: skip
+    whole = _losses(run_world(_train_rank, 2, [*argv, "--job.dump_folder", str(tmp_path / "a"),
+                                               "--training.local_batch_size", "4"])[0])  # fmt: skip
+    micro = _losses(run_world(_train_rank, 2, [*argv, "--job.dump_folder", str(tmp_path / "b"),
+                                               "--training.local_batch_size", "2"])[0])  # fmt: skip
+    assert len(whole) == 3 and micro == pytest.approx(whole, abs=2e-4), (whole, micro)
