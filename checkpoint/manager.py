@@ -117,7 +117,9 @@ class CheckpointManager:
         if step % self.interval and not last:
             return
         directory = self.folder / f"step-{step}"
+        waited = time.perf_counter()
         self.wait()
+        waited = time.perf_counter() - waited
         if directory.exists():  # e.g. a resumed job's last step was already saved
             logger.info("%s exists; not saving step %d again", directory, step)
             return
@@ -132,8 +134,8 @@ class CheckpointManager:
                 state_dict, directory, process_group=self._group, executor=self._executor, metadata=self.metadata
             )
             self._pending.add_done_callback(lambda _: self._purge())
-            logger.info("checkpoint step %d staged in %.2f s, writing in the background", step,
-                        time.perf_counter() - t0)  # fmt: skip
+            logger.info("checkpoint step %d staged in %.2f s (after %.2f s waiting for the previous save), writing in "
+                        "the background", step, time.perf_counter() - t0, waited)  # fmt: skip
         else:
             save(state_dict, directory, metadata=self.metadata)
             logger.info("checkpoint step %d saved to %s in %.2f s", step, directory, time.perf_counter() - t0)
