@@ -1,11 +1,13 @@
 """Trainer throughput: global tokens/s of the debug model on CPU, one layout against another.
 
 Runs `./run_train.sh` (torchrun) for each layout, back to back, `--repeats` times, and reads the
-metrics lines (`tok/s` is per rank: tokens of its local batch over the step time). Global tokens/s
-= median per-rank tok/s over the steps after warm-up x the data-parallel degree. Prints one JSON
-line with per-layout medians and each layout's ratio to the first.
+metrics lines (`tok/s` is per device, torchtitan's definition: local tokens / (tp x cp x pp) over the
+step time). Global tokens/s = median per-device tok/s over the steps after warm-up x the number of
+devices. Also the peak memory per rank (`mem`). Prints one JSON line with per-layout medians and each
+layout's ratio to the first. `--train-args` passes options to every run, e.g. torchtitan's work:
 
-    python bench/trainer_throughput.py --layouts one fsdp2 --repeats 3
+    python bench/trainer_throughput.py --layouts one fsdp2 tp2 --repeats 3 --steps 20 \
+        --train-args "--model.tokenizer_path $A/tokenizer --training.dataset_path $A/c4_test --model.vocab_size 2048"
 """
 
 from __future__ import annotations
@@ -25,21 +27,23 @@ LAYOUTS = {  # name: (ranks, threads per rank, dp degree, --parallelism override
     "tp2": (2, 1, 1, {"data_parallel_shard_degree": 1, "tensor_parallel_degree": 2}),
     "fsdp2_tp2": (4, 1, 2, {"data_parallel_shard_degree": 2, "tensor_parallel_degree": 2}),
 }
-TOKS = re.compile(r"step (\d+) \|.*tok/s ([\d,]+)")
+TOKS = re.compile(r"step (\d+) \|.*tok/s ([\d,]+).*\| mem ([\d.]+)GiB")
 
 
-def run(layout: str, steps: int, batch: int, seq: int, warmup: int) -> float:
-    ranks, threads, dp, overrides = LAYOUTS[layout]
+def run(layout: str, steps: int, batch: int, seq: int, warmup: int, extra: list[str]) -> tuple[float, float]:
+    """(global tokens/s, rank 0's peak memory GiB) of one run."""
+    ranks, threads, _, overrides = LAYOUTS[layout]
     args = ["./run_train.sh", "--training.steps", str(steps), "--training.local_batch_size", str(batch)]
-    args += ["--training.seq_len", str(seq)]
+    args += ["--training.seq_len", str(seq), "--job.dump_folder", f"/tmp/meshtrain-throughput-{layout}", *extra]
     for key, value in overrides.items():
         args += [f"--parallelism.{key}", str(value)]
     env = {**os.environ, "NGPU": str(ranks), "OMP_NUM_THREADS": str(threads)}
     done = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
     if done.returncode:
         raise SystemExit(f"{layout} failed (exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    per_rank = [float(t.replace(",", "")) for s, t in TOKS.findall(done.stdout + done.stderr) if int(s) > warmup]
-    return statistics.median(per_rank) * dp
+    found = [(int(s), float(t.replace(",", "")), float(m)) for s, t, m in TOKS.findall(done.stdout + done.stderr)]
+    per_device = [t for s, t, _ in found if s > warmup]
+    return statistics.median(per_device) * ranks, max(m for _, _, m in found)
 
 
 def main() -> None:
@@ -50,18 +54,19 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--train-args", default="", help="extra trainer options for every run (one string)")
     a = parser.parse_args()
     runs: dict[str, list[float]] = {name: [] for name in a.layouts}
+    mems: dict[str, list[float]] = {name: [] for name in a.layouts}
     for _ in range(a.repeats):
         for name in a.layouts:  # back to back, so noise hits every layout alike
-            runs[name].append(run(name, a.steps, a.batch, a.seq, a.warmup))
+            tok_s, mem = run(name, a.steps, a.batch, a.seq, a.warmup, a.train_args.split())
+            runs[name].append(tok_s)
+            mems[name].append(mem)
     medians = {name: statistics.median(v) for name, v in runs.items()}
     first = medians[a.layouts[0]]
-    print(
-        json.dumps(
-            {"global_tok_s": medians, "runs": runs, "ratio_to_first": {k: v / first for k, v in medians.items()}}
-        )
-    )
+    ratios = {k: v / first for k, v in medians.items()}
+    print(json.dumps({"global_tok_s": medians, "peak_mem_gib": mems, "runs": runs, "ratio_to_first": ratios}))
 
 
 if __name__ == "__main__":
