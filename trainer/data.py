@@ -304,7 +304,11 @@ def resolve_data_files(dataset_path: str) -> tuple[str, list[Path]]:
     if path.is_file():
         files = [path]
     elif path.is_dir():
-        files = [p for p in path.rglob("*") if p.is_file() and not any(part.startswith(".") for part in p.parts)]
+        # hidden entries below the folder are skipped, not the folder's own path (~/.cache/... is fine)
+        files = [
+            p for p in path.rglob("*")
+            if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
+        ]  # fmt: skip
         files = [p for p in files if _kind(p)]
     elif glob.has_magic(dataset_path):
         files = [Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file()]

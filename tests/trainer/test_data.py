@@ -304,3 +304,13 @@ def test_run_train_on_a_tokenizer_json_and_jsonl_folder(tmp_path: Path) -> None:
     # an untrained model spreads over the padded 2048 ids (ln 2048 = 7.6; over the tokenizer's 300 it would be ~6)
     assert losses[0] > math.log(1024), losses
     assert losses[-1] < losses[0]
+
+
+def test_a_data_folder_under_a_hidden_directory_is_read_and_hidden_entries_inside_are_skipped(tmp_path: Path) -> None:
+    from trainer.data import resolve_data_files
+
+    folder = tmp_path / ".cache" / "c4_test"
+    _write_jsonl(folder / "data.json", DOCS)
+    _write_jsonl(folder / ".partial" / "junk.json", DOCS)
+    builder, files = resolve_data_files(str(folder))
+    assert builder == "json" and files == [folder / "data.json"]
