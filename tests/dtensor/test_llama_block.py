@@ -93,14 +93,17 @@ def _run(mesh_shape: tuple[int, ...]) -> float:
     dtarget = distribute_tensor(target, mesh, dp + (Replicate(),))
     losses, grads = _train_step(dx, dtarget, params, distribute_tensor(_freqs_cis(SEQ), mesh, rep))
     for k, g in grads.items():
-        torch.testing.assert_close(g.full_tensor(), ref_grads[k], atol=1e-5, rtol=1e-4, msg=lambda m: f"grad {k}: {m}")
+        torch.testing.assert_close(
+            g.full_tensor(), ref_grads[k], atol=1e-5, rtol=1e-4, msg=lambda m, k=k: f"grad {k}: {m}"
+        )
     for got, want in zip(losses, ref_losses):
         full = got.full_tensor() if isinstance(got, DTensor) else got
         torch.testing.assert_close(full, want, atol=1e-5, rtol=1e-5)
     worst = 0.0
     for k, v in params.items():
         # AdamW divides by sqrt(v): fp32 summation-order differences in tiny grads grow to ~1e-5
-        torch.testing.assert_close(v.full_tensor(), ref[k].detach(), atol=1e-4, rtol=1e-4, msg=lambda m: f"{k}: {m}")
+        want = ref[k].detach()
+        torch.testing.assert_close(v.full_tensor(), want, atol=1e-4, rtol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
         worst = max(worst, (v.full_tensor() - ref[k].detach()).abs().max().item())
     return worst
 

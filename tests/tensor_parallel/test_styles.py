@@ -120,7 +120,8 @@ def _run_sequence_parallel(tp: int) -> dict:
         counts[name] = cm.get_total_counts()
         torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
         for k, g in _grads(model).items():
-            torch.testing.assert_close(g, dict(ref.named_parameters())[k].grad, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name} {k}: {m}")
+            want = dict(ref.named_parameters())[k].grad
+            torch.testing.assert_close(g, want, atol=1e-5, rtol=1e-5, msg=lambda m, k=k, name=name: f"{name} {k}: {m}")
     return counts
 
 
