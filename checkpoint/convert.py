@@ -18,12 +18,10 @@ import dataclasses
 import json
 import logging
 import math
-import os
 import re
 import shutil
 import sys
 import uuid
-import zlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -35,9 +33,9 @@ from models.llama3 import TransformerModelArgs, llama3_configs
 from models.llama3 import hf_adapter as hf
 
 from .distributed import save
-from .format import DTYPES, INDEX_FILE, CheckpointError, Index, read_index
+from .format import DTYPES, INDEX_FILE, CheckpointError, FileEntry, Index, read_index
 from .reader import read_tensor
-from .storage import fsync_dir, write_durable, write_safetensors
+from .storage import CheckedFile, commit, temporary_dir, write_durable, write_safetensors
 
 logger = logging.getLogger(__name__)
 
@@ -286,16 +284,16 @@ def _refuse_existing(out: Path) -> None:
 def _start_output(out: Path) -> Path:
     """A fresh `OUT.tmp-<id>/` next to `out`; refuses an `out` that exists and is not an empty directory."""
     _refuse_existing(out)
-    tmp = out.with_name(f"{out.name}.tmp-{uuid.uuid4().hex[:12]}")
+    tmp = temporary_dir(out, uuid.uuid4().hex[:12])
     tmp.mkdir(parents=True)
     return tmp
 
 
 def _commit_output(tmp: Path, out: Path) -> None:
-    """Rename the finished `tmp` to `out` (an empty `out` is replaced atomically by the rename)."""
-    fsync_dir(tmp)
-    os.rename(tmp, out)
-    fsync_dir(out.parent)
+    """Rename the finished `tmp` to `out`, as a checkpoint is committed (an empty `out` makes way)."""
+    if out.is_dir():
+        out.rmdir()  # only ever empty here (_refuse_existing)
+    commit(tmp, out)
 
 
 # ---------------------------------------------------------------------------------- inspect
@@ -310,7 +308,7 @@ def inspect_checkpoint(ckpt: str | Path) -> tuple[list[str], list[str]]:
     lines = _describe(index, ckpt)
     problems = _check_chunks(index)
     for name, entry in index.files.items():
-        problem = verify_file(ckpt / name, entry.size, entry.block_size, entry.crc32)
+        problem = verify_file(ckpt / name, entry)
         lines.append(f"  {name}: {entry.size:,} bytes, {len(entry.crc32)} blocks: {problem or 'ok'}")
         if problem:
             problems.append(f"{ckpt / name}: {problem}")
@@ -353,24 +351,23 @@ def _check_chunks(index: Index) -> list[str]:
     return problems
 
 
-def verify_file(path: Path, size: int, block_size: int, crc32: Sequence[int]) -> str | None:
-    """Why `path` does not match its index entry (missing, wrong size, first bad block), or None."""
+def verify_file(path: Path, entry: FileEntry) -> str | None:
+    """Why `path` does not match its index entry (missing, wrong size, first bad block), or None:
+    the loader's own verified reads (`CheckedFile`), one block at a time over the whole file."""
     if not path.is_file():
         return "missing"
-    actual = path.stat().st_size
-    if actual != size:
-        return f"{actual:,} bytes, the index says {size:,}: truncated or replaced"
-    if block_size <= 0:
-        return f"the index gives block_size {block_size}; the index is corrupt"
-    if len(crc32) != -(-size // block_size):
-        return f"the index lists {len(crc32)} checksums for {-(-size // block_size)} blocks"
-    buffer = bytearray(block_size)
-    with open(path, "rb", buffering=0) as f:
-        for block, want in enumerate(crc32):
-            n = f.readinto(buffer)
-            if zlib.crc32(memoryview(buffer)[:n]) != want:
-                lo = block * block_size
-                return f"checksum mismatch in block {block} (bytes [{lo}, {lo + n})): the file is corrupt"
+    try:
+        checked = CheckedFile(path, entry, verify=True)
+    except CheckpointError as e:
+        return str(e)
+    buffer = memoryview(bytearray(entry.block_size))
+    try:
+        for lo in range(0, entry.size, entry.block_size):
+            checked.read_into(lo, buffer[: min(entry.block_size, entry.size - lo)])
+    except CheckpointError as e:
+        return str(e)
+    finally:
+        checked.close()
     return None
 
 

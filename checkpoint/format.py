@@ -155,7 +155,11 @@ def _parse(raw: dict[str, Any]) -> Index:
         raise ValueError(f"version {raw.get('version')!r} is not supported (this meshtrain reads {FORMAT_VERSION})")
     files = {}
     for name, f in raw["files"].items():
-        files[_checked_file_name(name)] = FileEntry(int(f["size"]), int(f["block_size"]), tuple(map(int, f["crc32"])))
+        entry = FileEntry(int(f["size"]), int(f["block_size"]), tuple(map(int, f["crc32"])))
+        if entry.block_size <= 0 or len(entry.crc32) != -(-entry.size // entry.block_size):
+            raise ValueError(f"{name}: {len(entry.crc32)} checksums of {entry.block_size}-byte blocks cannot cover "
+                             f"{entry.size} bytes")  # fmt: skip
+        files[_checked_file_name(name)] = entry
     tensors = {}
     for key, t in raw["tensors"].items():
         if t["dtype"] not in DTYPES:

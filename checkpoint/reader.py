@@ -56,10 +56,14 @@ def _shard(target: torch.Tensor) -> tuple[torch.Tensor, Chunk]:
     return target, Chunk((0,) * target.ndim, tuple(target.shape))
 
 
+def _c_strides(shape: Sequence[int]) -> list[int]:
+    return [math.prod(shape[i + 1 :]) for i in range(len(shape))]
+
+
 def _span(shape: Sequence[int], box: Sequence[slice]) -> tuple[int, int, bool]:
     """[first, last + 1) linear (C-order) element index of `box` in a tensor of `shape`, and
     whether the box is exactly that range."""
-    strides = [math.prod(shape[i + 1 :]) for i in range(len(shape))]
+    strides = _c_strides(shape)
     first = sum(s.start * st for s, st in zip(box, strides))
     last = sum((s.stop - 1) * st for s, st in zip(box, strides))
     count = math.prod(s.stop - s.start for s in box)
@@ -84,8 +88,7 @@ def _read_jobs(
     def read_and_copy() -> None:
         scratch = torch.empty(stop - first, dtype=local.dtype)
         file.read_into(begin, tensor_bytes(scratch))
-        strides = [math.prod(chunk.shape[i + 1 :]) for i in range(len(chunk.shape))]
-        piece = scratch.as_strided([s.stop - s.start for s in src], strides)
+        piece = scratch.as_strided([s.stop - s.start for s in src], _c_strides(chunk.shape))
         local[dst].copy_(piece)
 
     return [read_and_copy]

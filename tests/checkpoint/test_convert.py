@@ -349,7 +349,7 @@ def test_inspect_fails_on_a_flipped_bit_naming_the_file(exported, tmp_path, caps
     (bad / "rank-0.safetensors").write_bytes(bytes(data))
     assert _run("inspect", bad) == 1
     last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert "rank-0.safetensors" in last and "checksum mismatch in block 0" in last
+    assert "rank-0.safetensors" in last and "(block 0)" in last
 
 
 def test_inspect_fails_on_a_missing_file_and_on_a_non_checkpoint(exported, tmp_path, capsys) -> None:

@@ -149,3 +149,14 @@ def test_resume_prefers_the_newest_resumable_step_over_a_model_only_export(tmp_p
     fresh = TrainState()
     resumed = CheckpointManager(tmp_path, {"model": ModelState(nn.Linear(2, 2)), "train_state": fresh}).load()
     assert resumed == 2 and fresh.step == 2
+
+
+def test_an_index_whose_checksums_cannot_cover_its_file_is_refused(tmp_path) -> None:
+    import json
+
+    path = _save({"w": torch.ones(2)}, tmp_path / "step-1")
+    raw = json.loads((path / "index.json").read_text())
+    raw["files"]["rank-0.safetensors"]["crc32"] = []
+    (path / "index.json").write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError, match="cannot cover"):
+        checkpoint.load({"w": torch.zeros(2)}, path)

@@ -22,16 +22,17 @@ class _Lines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def _train_rank(argv: list[str]) -> list[str]:
+def _train_rank(argv: list[str], logger_name: str = "trainer.metrics") -> list[str]:
+    """Run main(argv) on this rank (it must return 0); the messages `logger_name` logged."""
     from trainer.train import main
 
     handler = _Lines()
-    metrics_logger = logging.getLogger("trainer.metrics")
-    metrics_logger.addHandler(handler)
+    watched = logging.getLogger(logger_name)
+    watched.addHandler(handler)
     try:
         assert main(argv) == 0
     finally:
-        metrics_logger.removeHandler(handler)
+        watched.removeHandler(handler)
     return handler.lines
 
 

@@ -3,7 +3,6 @@ eval loss is the same global mean token loss on one process, FSDP(2) and TP(2), 
 
 from __future__ import annotations
 
-import logging
 import math
 import re
 from collections import Counter
@@ -12,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.trainer.test_train import _SHORT_DEBUG_JOB
+from tests.trainer.test_train import _SHORT_DEBUG_JOB, _train_rank
 from tests.world import run_world
 from trainer.data import CORPUS_PATH, DocumentStream, StreamedWindows
 from trainer.tokenizer import ByteTokenizer
@@ -109,26 +108,8 @@ def test_eval_loss_matches_one_process(tp: int, dp_shard: int) -> None:
 
 
 # ------------------------------------------------------------------------------- through the trainer
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 def _validate_rank(argv: list[str]) -> list[str]:
-    from trainer.train import main
-
-    handler = _Lines()
-    validate_logger = logging.getLogger("trainer.validate")
-    validate_logger.addHandler(handler)
-    try:
-        assert main(argv) == 0
-    finally:
-        validate_logger.removeHandler(handler)
-    return handler.lines
+    return _train_rank(argv, "trainer.validate")
 
 
 def _val_losses(lines: list[str]) -> dict[int, float]:
