@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Launch training with torchrun. Every variable has a default, so `./run_train.sh` alone trains the
+# Launch training with torchrun (trainer.launch: torchrun with a one-error failure summary). Every variable has a default, so `./run_train.sh` alone trains the
 # debug model: on all local GPUs, or on 2 CPU ranks (gloo) when there is none.
 #   NGPU           processes per node (default: GPU count, or 2 without GPUs)
 #   CONFIG_FILE    TOML job config (default: ./configs/debug_model.toml)
@@ -27,6 +27,6 @@ export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo}
 # pytorch/pytorch#167288): give every attempt a store of its own.
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 NGPU=$NGPU NNODES=$NNODES LOG_RANK=$LOG_RANK python -m trainer.preflight --job.config_file "$CONFIG_FILE" "$@" || exit 1  # fail fast, before torchrun
-exec torchrun --nproc_per_node="$NGPU" --nnodes="$NNODES" "${RDZV[@]}" --max-restarts "$MAX_RESTARTS" \
+exec python -m trainer.launch --nproc_per_node="$NGPU" --nnodes="$NNODES" "${RDZV[@]}" --max-restarts "$MAX_RESTARTS" \
   --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
   -m trainer.train --job.config_file "$CONFIG_FILE" "$@"

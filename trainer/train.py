@@ -41,6 +41,7 @@ from parallelisms.tensor_parallel import loss_parallel
 from .config import Comm, JobConfig, Parallelism, load_config, save_config, to_toml
 from .data import TokenBatches, build_data_loader
 from .dump_folder import lock_dump_folder
+from .failure import report_failure, under_torchelastic
 from .lr_schedule import build_lr_scheduler
 from .metrics import MetricsLogger, flops_per_token
 from .optim import build_optimizer
@@ -480,7 +481,7 @@ def teardown(device: torch.device, *, owns_group: bool) -> None:
         )
 
 
-@record  # torchrun's error file: its summary names the first failing rank's real error, not a bystander's
+@record  # torchrun's error file for errors before the world exists (after it, report_failure writes it)
 def main(argv: list[str] | None = None) -> int:
     cfg = load_config(sys.argv[1:] if argv is None else argv)
     device = build_device()
@@ -488,6 +489,10 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(dist.get_rank())
     try:
         run_job(cfg, device, dist.get_world_size())
+    except Exception as error:
+        if owns_group and under_torchelastic():
+            report_failure(error)  # once per job, by the first rank that failed; exits
+        raise
     finally:
         teardown(device, owns_group=owns_group)
     return 0
