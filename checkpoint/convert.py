@@ -182,21 +182,20 @@ def from_hf(hf_dir: str | Path, out: str | Path, *, dtype: str = "float32") -> P
     """Write the Hugging Face Llama in `hf_dir` as a model-only checkpoint `out` that the trainer
     can start from (`checkpoint.initial_load_path`) at any parallelism. Returns `out`.
 
-    A tied model (tie_word_embeddings) gets a copy of the embedding as its output projection, as
-    HF's tying means (an lm_head.weight it may also carry is ignored, as HF ignores it). The whole
-    model is held in memory once, in `dtype`, since `save` takes the state dict at once."""
+    A tied model (tie_word_embeddings) stays tied: its model args say so, and the checkpoint holds
+    the embedding once, as a tied Transformer's state dict does (an lm_head.weight it may also
+    carry is ignored, as HF ignores it). The whole model is held in memory once, in `dtype`, since
+    `save` takes the state dict at once."""
     hf_dir, out = Path(hf_dir), Path(out)
     _refuse_existing(out)
     config = _read_json(hf_dir / HF_CONFIG_FILE, "the model's config.json")
     args = hf.args_from_hf_config(config)
     files = hf_weight_files(hf_dir)
-    tied = bool(config.get("tie_word_embeddings", False))
+    tied = args.tie_word_embeddings
     if "lm_head.weight" not in files and not tied:
         raise ValueError(f"{hf_dir} has no lm_head.weight and its config says tie_word_embeddings=false")
-    expected = hf.parameter_shapes(args, output=True)
+    expected = hf.parameter_shapes(args)
     model = _read_hf_tensors(hf_dir, files, args, expected, DTYPES[dtype], tied)
-    if tied:  # HF reuses the embedding as the output projection; ours keeps its own copy
-        model["output.weight"] = model["tok_embeddings.weight"].clone()
     flavor = hf.closest_flavor(args)
     metadata = {
         "job_config": {"model": {"name": "llama3", "flavor": flavor}},
@@ -257,8 +256,7 @@ def _read_hf_tensors(
                     problems.append(f"{name}: shape {tuple(w.shape)}, config.json gives {expected[fqn]}")
                     continue
                 model[fqn] = hf.from_hf_tensor(fqn, w.to(dtype), args).contiguous()
-    skip = {"output.weight"} if tied else set()
-    problems += [f"{hf.to_hf_name(k)}: missing" for k in expected if k not in model and k not in skip]
+    problems += [f"{hf.to_hf_name(k)}: missing" for k in expected if k not in model]
     if problems:
         raise ValueError(
             f"{hf_dir} does not fit its config.json ({len(problems)} problems):\n  " + "\n  ".join(problems)

@@ -32,7 +32,14 @@ class ModelState:
         self.model = model
 
     def state_dict(self) -> dict[str, Any]:
-        return {k: v.detach() for k, v in self.model.state_dict().items()}
+        """A shared parameter (tied embeddings) once, under its first name, as named_parameters()."""
+        seen: set[int] = set()
+        out = {}
+        for k, v in self.model.state_dict(keep_vars=True).items():
+            if id(v) not in seen:
+                seen.add(id(v))
+                out[k] = v.detach()
+        return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         pass  # filled in place: the detached tensors share the parameters' storage

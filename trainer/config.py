@@ -79,6 +79,11 @@ class Training:
     """Clip the global gradient 2-norm to this (<= 0 disables clipping, still logs the norm)."""
     seed: int = 0
     """Seed for weights and data order; identical on every rank."""
+    mixed_precision_param: Literal["bfloat16", "float32"] = "bfloat16"
+    """On CUDA, the dtype parameters compute in: FSDP all-gathers them in it; without FSDP the forward
+    runs under torch.autocast. The CPU always trains in float32 (logged at start)."""
+    mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
+    """On CUDA, the dtype of FSDP's gradient reduce-scatter."""
     skip_nonfinite_steps: bool = False
     """On a NaN/inf loss or gradient norm, skip that optimizer step (counted) instead of stopping."""
     dataset: str = "embedded"

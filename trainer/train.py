@@ -31,7 +31,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from checkpoint.manager import CheckpointManager
 from checkpoint.stateful import ModelState, OptimizerState, RngState
 from models.llama3 import Transformer, llama3_configs
-from models.llama3.parallelize import check_compile_supported, parallelize_llama
+from models.llama3.parallelize import check_compile_supported, data_parallel_mesh, parallelize_llama
 from parallelisms.dtensor import DeviceMesh, DTensor, Partial
 from parallelisms.dtensor.init import layout_invariant_init
 from parallelisms.fsdp import FSDPModule, MixedPrecisionPolicy
@@ -185,12 +185,14 @@ def train_step(
     use_loss_parallel: bool,
     skip_nonfinite: bool,
     step: int,
+    autocast: torch.dtype | None = None,
 ) -> StepResult:
     """One optimizer step over `micro_batches` (gradient accumulation; FSDP reduces only after
     the last). The loss is the sum of token losses over the whole step divided by its `targets`
     (the global count), not a mean of means; times `dp_size` because FSDP averages gradients
     over the dp ranks. A non-finite gradient norm stops the job, naming the step, or with
-    `skip_nonfinite` skips the update (the norm is read every step anyway, for the log)."""
+    `skip_nonfinite` skips the update (the norm is read every step anyway, for the log).
+    `autocast`: run forward and loss under torch.autocast in this dtype (mixed precision without FSDP)."""
     optimizer.zero_grad(set_to_none=True)
     scale = dp_size / targets
     total: torch.Tensor | None = None
@@ -201,7 +203,9 @@ def train_step(
         # a fresh context per micro-batch (a generator context cannot be entered twice); the backward
         # too runs inside loss_parallel, as torch requires
         with loss_parallel() if use_loss_parallel else contextlib.nullcontext():
-            logits = model(inputs)  # (B, T, V)   S(-1) under loss parallelism
+            amp = torch.autocast(inputs.device.type, autocast) if autocast else contextlib.nullcontext()
+            with amp:
+                logits = model(inputs)  # (B, T, V)   S(-1) under loss parallelism
             token_sum = F.cross_entropy(
                 logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum", ignore_index=IGNORE_INDEX
             )  # (B*T, V) vs (B*T,)
@@ -273,17 +277,41 @@ class Components:
             self.metrics.close()
 
 
+def compute_dtypes(cfg: JobConfig, device: torch.device) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """(param, reduce) dtypes of mixed precision; (None, None), plain float32, on the CPU."""
+    if device.type != "cuda":
+        return None, None
+    dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+    param, reduce = dtypes[cfg.training.mixed_precision_param], dtypes[cfg.training.mixed_precision_reduce]
+    return (None if param == torch.float32 else param), reduce
+
+
+def autocast_dtype(cfg: JobConfig, runtime: Runtime) -> torch.dtype | None:
+    """Without FSDP nothing casts the parameters, so the forward runs under torch.autocast in the
+    mixed-precision dtype (torchtitan's choice on one device); None when FSDP does it or in float32."""
+    param_dtype, _ = compute_dtypes(cfg, runtime.device)
+    fsdp = data_parallel_mesh(runtime.parallel_dims, runtime.world_mesh) is not None
+    return None if fsdp else param_dtype
+
+
+def precision_summary(cfg: JobConfig, runtime: Runtime) -> str:
+    param_dtype, reduce_dtype = compute_dtypes(cfg, runtime.device)
+    if param_dtype is None:
+        where = "" if runtime.device.type == "cuda" else " (the CPU ignores training.mixed_precision_*)"
+        return f"float32{where}"
+    name = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
+    how = "autocast" if autocast_dtype(cfg, runtime) else f"FSDP params, {name[reduce_dtype]} reduce"  # type: ignore[index]
+    return f"mixed precision {name[param_dtype]} ({how})"
+
+
 def build_model_and_optimizer(
     cfg: JobConfig, runtime: Runtime, vocab_size: int
 ) -> tuple[nn.Module, torch.optim.Optimizer, LambdaLR]:
     """The parallelized, initialized model, its optimizer and lr scheduler."""
     torch.manual_seed(cfg.training.seed)  # identical on every rank: the init fills stay in step
     model = build_model(cfg, vocab_size)
-    mp_policy = (
-        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if runtime.device.type == "cuda"
-        else None
-    )
+    param_dtype, reduce_dtype = compute_dtypes(cfg, runtime.device)
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     parallelize_llama(
         model, runtime.parallel_dims, runtime.world_mesh, loss_parallel=use_loss_parallel(cfg, runtime.parallel_dims),
         ac_mode=cfg.activation_checkpoint.mode, mp_policy=mp_policy,
@@ -375,10 +403,11 @@ def train(cfg: JobConfig, runtime: Runtime) -> list[float]:
     c = build_components(cfg, runtime)
     training = cfg.training
     logger.info(
-        "training %s/%s (%.2fM params) for %d steps on %s: %s, global batch %d x %d tokens (%d micro-batches of %d)",
+        "training %s/%s (%.2fM params) for %d steps on %s: %s, global batch %d x %d tokens (%d micro-batches of %d), "
+        "%s",
         cfg.model.name, cfg.model.flavor, sum(p.numel() for p in c.model.parameters()) / 1e6, training.steps,
         runtime.device, runtime.world_mesh, c.loader.global_batch, training.seq_len, c.loader.accumulation_steps,
-        training.local_batch_size,
+        training.local_batch_size, precision_summary(cfg, runtime),
     )  # fmt: skip
     try:
         with c.profiler:
@@ -393,6 +422,7 @@ def train_loop(cfg: JobConfig, runtime: Runtime, c: Components) -> list[float]:
     batches = iter(c.loader)
     loss_parallel_on = use_loss_parallel(cfg, runtime.parallel_dims)
     losses: list[float] = []
+    amp_dtype = autocast_dtype(cfg, runtime)
     c.metrics.begin(state)
     tokens_since, data_since, t0 = 0, 0.0, time.perf_counter()
     for step in range(state.step + 1, training.steps + 1):
@@ -405,7 +435,7 @@ def train_loop(cfg: JobConfig, runtime: Runtime, c: Components) -> list[float]:
             c.model, c.optimizer, micro,
             targets=global_target_count([lab for _, lab in micro], runtime.parallel_dims, runtime.world_mesh),
             dp_size=runtime.dp_size, max_norm=training.max_norm, use_loss_parallel=loss_parallel_on,
-            skip_nonfinite=training.skip_nonfinite_steps, step=step,
+            skip_nonfinite=training.skip_nonfinite_steps, step=step, autocast=amp_dtype,
         )  # fmt: skip
         if result.skipped:
             state.skipped_steps += 1

@@ -59,6 +59,9 @@ class TransformerModelArgs:
     """Llama 3.1 RoPE frequency scaling; None (the default) is plain RoPE."""
     max_seq_len: int = 2048
     """Longest sequence the precomputed rotary table covers (the trainer sets it to training.seq_len)."""
+    tie_word_embeddings: bool = False
+    """The output projection is the token embedding's weight (Llama 3.2 1B/3B): one (vocab, dim)
+    parameter, used twice. Hugging Face's name."""
     depth_init: bool = True
     """Scale each block's output-projection init std by its depth (True) or by n_layers (False)."""
 
@@ -76,6 +79,11 @@ class TransformerModelArgs:
 
 llama3_configs: dict[str, TransformerModelArgs] = {
     "debugmodel": TransformerModelArgs(dim=256, n_layers=6, n_heads=16, vocab_size=2048, rope_theta=500000),
+    # Llama 3.2 1B: tied embeddings, RoPE scaled for 128K context (factor 32)
+    "1B": TransformerModelArgs(
+        dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5, multiple_of=256, rope_theta=500000,
+        rope_scaling=RoPEScalingArgs(scaling_factor=32.0), tie_word_embeddings=True,
+    ),  # fmt: skip
     "8B": TransformerModelArgs(
         dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=1024, rope_theta=500000
     ),

@@ -121,9 +121,11 @@ def ffn_hidden_dim(args: TransformerModelArgs) -> int:
     return args.multiple_of * ((hidden + args.multiple_of - 1) // args.multiple_of)
 
 
-def parameter_shapes(args: TransformerModelArgs, *, output: bool = True) -> dict[str, tuple[int, ...]]:
+def parameter_shapes(args: TransformerModelArgs, *, output: bool | None = None) -> dict[str, tuple[int, ...]]:
     """Our FQN -> shape of every parameter of `Transformer(args)`, in HF's file order (blocks in
-    number order); without `output` when the output projection is tied to the embedding."""
+    number order); without `output` when the output projection is tied to the embedding (by
+    default when `args.tie_word_embeddings`)."""
+    output = not args.tie_word_embeddings if output is None else output
     n_kv = args.n_heads if args.n_kv_heads is None else args.n_kv_heads
     q, kv, ffn = args.n_heads * args.head_dim, n_kv * args.head_dim, ffn_hidden_dim(args)
     block = {
@@ -147,8 +149,11 @@ def parameter_shapes(args: TransformerModelArgs, *, output: bool = True) -> dict
 
 
 # ------------------------------------------------------------------------------ config.json
-def hf_config(args: TransformerModelArgs, *, dtype: str, tie_word_embeddings: bool = False) -> dict[str, Any]:
-    """The `config.json` of `LlamaForCausalLM` for `Transformer(args)` stored in `dtype`."""
+def hf_config(args: TransformerModelArgs, *, dtype: str, tie_word_embeddings: bool | None = None) -> dict[str, Any]:
+    """The `config.json` of `LlamaForCausalLM` for `Transformer(args)` stored in `dtype` (tied as
+    `args` unless `tie_word_embeddings` says otherwise)."""
+    if tie_word_embeddings is None:
+        tie_word_embeddings = args.tie_word_embeddings
     config: dict[str, Any] = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -202,6 +207,7 @@ def args_from_hf_config(config: dict[str, Any]) -> TransformerModelArgs:
         rope_theta=theta,
         rope_scaling=scaling,
         max_seq_len=int(config.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
     )
     flavor = closest_flavor(args)
     if flavor == "custom":
@@ -285,7 +291,7 @@ def _architecture(args: TransformerModelArgs) -> tuple[Any, ...]:
     """What the weights and the forward depend on (not how the FFN width was written, nor init)."""
     n_kv = args.n_heads if args.n_kv_heads is None else args.n_kv_heads
     return (args.dim, args.n_layers, args.n_heads, n_kv, ffn_hidden_dim(args), args.norm_eps, args.rope_theta,
-            args.rope_scaling)  # fmt: skip
+            args.rope_scaling, args.tie_word_embeddings)  # fmt: skip
 
 
 def model_args_to_json(args: TransformerModelArgs) -> dict[str, Any]:

@@ -148,9 +148,16 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.tie_weights()
         # derived from args, so not saved in checkpoints
         self.register_buffer("freqs_cis", self._precompute_freqs_cis(), persistent=False)
         self.init_weights()
+
+    def tie_weights(self) -> None:
+        """Make the output projection use the embedding's weight (again, after a parallelization
+        that distributed them one by one: both are (vocab, dim), split on vocab under TP)."""
+        self.output.weight = self.tok_embeddings.weight
 
     def _precompute_freqs_cis(self) -> torch.Tensor:
         args = self.model_args
@@ -158,9 +165,12 @@ class Transformer(nn.Module):
 
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
         """(Re)initialize every parameter and buffer, e.g. after building the model on meta."""
+        if self.model_args.tie_word_embeddings:  # to_empty gives plain tied parameters one copy per module
+            self.tie_weights()
         with torch.device(buffer_device or self.freqs_cis.device):
             self.freqs_cis = self._precompute_freqs_cis()
-        nn.init.normal_(self.tok_embeddings.weight)
+        if not self.model_args.tie_word_embeddings:  # tied: the output's init below (N(0, 1) logits would be huge)
+            nn.init.normal_(self.tok_embeddings.weight)
         for layer in self.layers.values():
             layer.init_weights()  # type: ignore[operator]
         self.norm.reset_parameters()

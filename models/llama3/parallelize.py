@@ -140,6 +140,16 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, enab
     }
     for block in model.layers.values():  # type: ignore[operator]
         parallelize_module(block, tp_mesh, layer_plan)
+    if model.model_args.tie_word_embeddings:  # type: ignore[union-attr]
+        _retie(model)
+
+
+def _retie(model: nn.Module) -> None:
+    """The plan distributed the shared weight twice (once per module); both copies are (vocab, dim)
+    split on vocab, S(0), so one of them serves both modules again."""
+    embedding, output = model.get_submodule("tok_embeddings").weight, model.get_submodule("output").weight
+    assert embedding.placements == output.placements, (embedding.placements, output.placements)  # type: ignore[union-attr]
+    model.tie_weights()  # type: ignore[operator]
 
 
 def apply_fsdp(
@@ -150,13 +160,18 @@ def apply_fsdp(
 ) -> None:
     """fully_shard each block, the embeddings, [norm, output] as one group, then the root (as
     torchtitan). Neither [norm, output] nor the last block reshard after forward: backward needs
-    them at once."""
+    them at once. Tied embeddings put [embeddings, norm, output] in one group: a parameter lives in
+    exactly one group, and this one is used first and last in forward (so it stays unsharded from
+    the embedding lookup to the output's backward, which is when the whole group's grads are in)."""
     blocks = list(model.layers.values())  # type: ignore[operator]
     for i, block in enumerate(blocks):
         last = i == len(blocks) - 1
         fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward and not last)
     embeddings = model.get_submodule("tok_embeddings")
-    fully_shard(embeddings, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
     head = [model.get_submodule("norm"), model.get_submodule("output")]
-    fully_shard(head, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=False)
+    if model.model_args.tie_word_embeddings:  # type: ignore[union-attr]
+        fully_shard([embeddings, *head], mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=False)
+    else:
+        fully_shard(embeddings, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+        fully_shard(head, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=False)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy)

@@ -132,6 +132,8 @@ def fully_shard(
         group.use_partial_reshard(int(reshard_after_forward))  # type: ignore[arg-type]
     for p in params:
         p.register(p.sharded)
+    for original, _ in managed:  # a module outside this group may still hold it (a shared parameter)
+        original._fsdp_sharded_elsewhere = True  # type: ignore[attr-defined]
     state = FSDPState(modules, group, reshard_after_forward, mp_policy)
     for m in modules:
         m._fsdp_state = state  # type: ignore[assignment]
@@ -195,6 +197,12 @@ def _managed_params(modules: list[nn.Module]) -> list[tuple[nn.Parameter, list[t
 
 
 def _check_param(fqn: str, param: nn.Parameter) -> None:
+    if getattr(param, "_fsdp_sharded_elsewhere", False):
+        raise ValueError(
+            f"parameter {fqn!r} is shared with a module that an earlier fully_shard call already sharded (e.g. "
+            f"tied embeddings); a shared parameter must live in one group: pass every module using it to one "
+            f"fully_shard([...]) call, or leave them to a common parent"
+        )
     if not isinstance(param, DTensor):
         if param.ndim == 0:
             raise NotImplementedError(f"fully_shard cannot shard the 0-d parameter {fqn!r}; give it shape (1,)")

@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 
 import checkpoint
 from checkpoint import convert
+from checkpoint.stateful import ModelState
 from models.llama3 import RoPEScalingArgs, Transformer, TransformerModelArgs, llama3_configs
 from models.llama3 import hf_adapter as hf
 from tests.world import run_world
@@ -224,13 +225,23 @@ def _export_without_lm_head(source: Path, out: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def test_from_hf_copies_tied_embeddings_into_the_output(exported, tmp_path) -> None:
+def test_a_tied_hf_model_stays_tied_there_and_back(exported, tmp_path) -> None:
     model, _, out = exported
     _export_without_lm_head(out, tmp_path / "tied")
     assert _run("from-hf", tmp_path / "tied", tmp_path / "back") == 0
     got = _saved_model(tmp_path / "back")
-    assert torch.equal(got["output.weight"], model.state_dict()["tok_embeddings.weight"])
-    assert got["output.weight"].data_ptr() != got["tok_embeddings.weight"].data_ptr()
+    assert "output.weight" not in got  # the embedding once, as a tied Transformer's ModelState saves it
+    assert torch.equal(got["tok_embeddings.weight"], model.state_dict()["tok_embeddings.weight"])
+    args = hf.model_args_from_json(checkpoint.read_index(tmp_path / "back").metadata["model_args"])
+    assert args.tie_word_embeddings
+    tied = Transformer(args)
+    checkpoint.load({"model": ModelState(tied).state_dict()}, tmp_path / "back")
+    assert tied.output.weight is tied.tok_embeddings.weight
+    assert torch.equal(tied.output.weight, model.state_dict()["tok_embeddings.weight"])
+    assert _run("to-hf", tmp_path / "back", tmp_path / "hf-again") == 0
+    config = json.loads((tmp_path / "hf-again" / "config.json").read_text())
+    with safe_open(tmp_path / "hf-again" / "model-00001-of-00001.safetensors", framework="pt") as f:
+        assert config["tie_word_embeddings"] is True and "lm_head.weight" not in f.keys()
 
 
 # ------------------------------------------------------------------------------ refusals
@@ -394,7 +405,8 @@ def test_from_hf_reads_hf_save_pretrained_tied(tmp_path) -> None:
     assert _run("from-hf", tmp_path / "hf", tmp_path / "ours") == 0
     meta = checkpoint.read_index(tmp_path / "ours").metadata
     ours = Transformer(hf.model_args_from_json(meta["model_args"]))
-    checkpoint.load({"model": ours.state_dict()}, tmp_path / "ours")
+    assert ours.output.weight is ours.tok_embeddings.weight
+    checkpoint.load({"model": ModelState(ours).state_dict()}, tmp_path / "ours")
     tokens = torch.randint(0, 97, (2, 32), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         torch.testing.assert_close(ours(tokens), theirs(tokens).logits, atol=1e-5, rtol=1e-5)

@@ -90,7 +90,7 @@ def test_configs_have_torchtitan_shapes():
     with torch.device("meta"):
         n_params = sum(p.numel() for p in Transformer(llama3_configs["8B"]).parameters())
     assert n_params == 8_030_261_248  # Llama 3 8B
-    assert set(llama3_configs) == {"debugmodel", "8B", "70B", "405B"}
+    assert set(llama3_configs) == {"debugmodel", "1B", "8B", "70B", "405B"}
 
 
 def test_forward_shape_and_fqns():

@@ -123,3 +123,23 @@ def test_global_batch_remainder_shows_the_arithmetic() -> None:
         ValueError, match=r"global_batch_size\(10\) must be a positive multiple of .* = 4; 10 / 4 = 2.5"
     ):
         accumulation_steps(10, 2, 2)
+
+
+def test_autocast_step_computes_in_bfloat16_and_keeps_float32_weights() -> None:
+    """Mixed precision without FSDP (one GPU): the forward under torch.autocast, here on the CPU."""
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = Transformer(ARGS)
+    init_model(model, torch.device("cpu"))
+    seen: list[torch.dtype] = []
+    model.output.register_forward_hook(lambda _m, _i, out: seen.append(out.dtype))
+    inputs, labels = _global_batch()
+    targets = torch.tensor(float((labels != IGNORE_INDEX).sum()))
+    kwargs = dict(targets=targets, dp_size=1, max_norm=1.0, use_loss_parallel=False, skip_nonfinite=False, step=1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    fp32 = train_step(model, opt, [(inputs, labels)], **kwargs)  # type: ignore[arg-type]
+    bf16 = train_step(model, opt, [(inputs, labels)], autocast=torch.bfloat16, **kwargs)  # type: ignore[arg-type]
+    assert seen == [torch.float32, torch.bfloat16]
+    assert float(bf16.loss) == pytest.approx(float(fp32.loss), rel=2e-2) and float(bf16.loss) != float(fp32.loss)
+    assert all(p.dtype == torch.float32 and p.grad is not None and p.grad.dtype == torch.float32
+               for p in model.parameters())  # fmt: skip

@@ -13,6 +13,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = {  # config -> (world size, published parameter count)
+    "llama3_1b": (1, 1_235_814_400),  # Llama-3.2-1B, lm_head tied to the embedding
     "llama3_8b": (8, 8_030_261_248),
     "llama3_70b": (64, 70_553_706_496),
     "llama3_405b": (512, 405_853_388_800),
