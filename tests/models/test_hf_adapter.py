@@ -82,7 +82,8 @@ def test_hf_config_describes_rope_scaling_and_reads_both_transformers_formats() 
     v5 = {k: v for k, v in config.items() if k not in ("rope_theta", "rope_scaling")}
     v5["rope_parameters"] = {**config["rope_scaling"], "rope_theta": 500000.0}
     assert hf.args_from_hf_config(v5) == scaled
-    assert hf.closest_flavor(scaled) == "custom"  # the 8B flavor has no scaling
+    assert hf.closest_flavor(scaled) == "8B"  # Llama 3.1 8B's config.json: the 8B flavor (scaled, as torchtitan's)
+    assert hf.closest_flavor(dataclasses.replace(scaled, rope_scaling=None)) == "custom"  # Llama 3 8B: not one
 
 
 def test_intermediate_sizes_no_flavor_uses_are_matched_exactly() -> None:
@@ -122,7 +123,7 @@ def test_rope_scaling_matches_transformers() -> None:
 
 
 def test_rope_scaling_off_is_the_plain_table() -> None:
-    assert llama3_configs["8B"].rope_scaling is None
+    assert llama3_configs["debugmodel"].rope_scaling is None and llama3_configs["8B"].rope_scaling == RoPEScalingArgs()
     plain = precompute_freqs_cis(128, 64, 500000.0)
     assert torch.equal(precompute_freqs_cis(128, 64, 500000.0, None), plain)
     assert not torch.equal(precompute_freqs_cis(128, 64, 500000.0, RoPEScalingArgs()), plain)
