@@ -115,8 +115,12 @@ class CheckpointManager:
         logger.info("loaded %s from %s in %.2f s", ", ".join(names), directory, time.perf_counter() - t0)
 
     # -------------------------------------------------------------------------------- saving
+    def is_due(self, step: int, *, last: bool) -> bool:
+        """Whether `save_if_due(step, last=last)` saves (every `interval` steps and at the last)."""
+        return last or step % self.interval == 0
+
     def save_if_due(self, step: int, *, last: bool) -> None:
-        if step % self.interval and not last:
+        if not self.is_due(step, last=last):
             return
         directory = self.folder / f"step-{step}"
         waited = time.perf_counter()

@@ -159,8 +159,33 @@ IGNORE_INDEX = -100  # cross_entropy's default: such targets count neither in th
 @dataclass(frozen=True)
 class StepResult:
     loss: torch.Tensor  # this rank's share of the global mean token loss (averaging over dp gives it)
-    grad_norm: float  # the global gradient 2-norm before clipping
+    grad_norm: torch.Tensor  # the global gradient 2-norm before clipping (0-d, on the device)
     skipped: bool  # a non-finite step whose optimizer update was skipped
+
+
+class NonfiniteWatch:
+    """Remembers, on the device, the first step whose gradient norm was not finite, so the default
+    (stop on NaN/inf) costs no host sync per step: `check` reads it where the loop syncs anyway (the
+    log step, before a checkpoint is saved, at the end) and stops the job naming that step."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.first = torch.zeros((), dtype=torch.int64, device=device)  # 0: every step so far was finite
+
+    def note(self, step: int, grad_norm: torch.Tensor) -> None:
+        bad = ~torch.isfinite(grad_norm) & (self.first == 0)
+        self.first = torch.where(bad, step, self.first)
+
+    def check(self) -> None:
+        first = int(self.first.item())
+        if first:
+            raise nonfinite_error(first, "the gradient norm is not finite")
+
+
+def nonfinite_error(step: int, what: str) -> FloatingPointError:
+    return FloatingPointError(
+        f"step {step}: {what} (a non-finite loss or gradient); lower optimizer.lr or raise "
+        f"lr_scheduler.warmup_steps, or set training.skip_nonfinite_steps=true to skip such steps"
+    )
 
 
 def global_target_count(
@@ -184,14 +209,14 @@ def train_step(
     max_norm: float,
     use_loss_parallel: bool,
     skip_nonfinite: bool,
-    step: int,
     autocast: torch.dtype | None = None,
 ) -> StepResult:
     """One optimizer step over `micro_batches` (gradient accumulation; FSDP reduces only after
     the last). The loss is the sum of token losses over the whole step divided by its `targets`
     (the global count), not a mean of means; times `dp_size` because FSDP averages gradients
-    over the dp ranks. A non-finite gradient norm stops the job, naming the step, or with
-    `skip_nonfinite` skips the update (the norm is read every step anyway, for the log).
+    over the dp ranks. With `skip_nonfinite` a non-finite gradient norm skips the update (deciding
+    needs the norm on the host: one sync per step in that mode only); otherwise the loop's
+    NonfiniteWatch stops the job at its next check.
     `autocast`: run forward and loss under torch.autocast in this dtype (mixed precision without FSDP)."""
     optimizer.zero_grad(set_to_none=True)
     scale = dp_size / targets
@@ -216,14 +241,8 @@ def train_step(
     params = [p for p in model.parameters() if p.grad is not None]
     clip = max_norm if max_norm > 0 else float("inf")
     norm = torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
-    grad_norm = (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
-    if not math.isfinite(grad_norm):
-        if not skip_nonfinite:
-            raise FloatingPointError(
-                f"step {step}: the gradient norm is {grad_norm} (a non-finite loss or gradient); lower "
-                f"optimizer.lr or raise lr_scheduler.warmup_steps, or set training.skip_nonfinite_steps=true "
-                f"to skip such steps"
-            )
+    grad_norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+    if skip_nonfinite and not math.isfinite(grad_norm.item()):
         optimizer.zero_grad(set_to_none=True)
         return StepResult(total, grad_norm, skipped=True)
     optimizer.step()
@@ -423,6 +442,7 @@ def train_loop(cfg: JobConfig, runtime: Runtime, c: Components) -> list[float]:
     loss_parallel_on = use_loss_parallel(cfg, runtime.parallel_dims)
     losses: list[float] = []
     amp_dtype = autocast_dtype(cfg, runtime)
+    nonfinite = NonfiniteWatch(runtime.device)
     c.metrics.begin(state)
     tokens_since, data_since, t0 = 0, 0.0, time.perf_counter()
     for step in range(state.step + 1, training.steps + 1):
@@ -435,8 +455,10 @@ def train_loop(cfg: JobConfig, runtime: Runtime, c: Components) -> list[float]:
             c.model, c.optimizer, micro,
             targets=global_target_count([lab for _, lab in micro], runtime.parallel_dims, runtime.world_mesh),
             dp_size=runtime.dp_size, max_norm=training.max_norm, use_loss_parallel=loss_parallel_on,
-            skip_nonfinite=training.skip_nonfinite_steps, step=step, autocast=amp_dtype,
+            skip_nonfinite=training.skip_nonfinite_steps, autocast=amp_dtype,
         )  # fmt: skip
+        if not training.skip_nonfinite_steps:
+            nonfinite.note(step, result.grad_norm)
         if result.skipped:
             state.skipped_steps += 1
             logger.warning("step %d: non-finite gradient norm, optimizer step skipped (%d so far)", step,
@@ -449,11 +471,13 @@ def train_loop(cfg: JobConfig, runtime: Runtime, c: Components) -> list[float]:
             global_loss = reduce_loss(result.loss, runtime.parallel_dims, runtime.world_mesh)
             if runtime.device.type == "cuda":
                 torch.cuda.synchronize(runtime.device)
-            c.metrics.log(step, loss=global_loss, grad_norm=result.grad_norm, lr=lr, tokens=tokens_since,
+            nonfinite.check()  # the host waits here anyway
+            c.metrics.log(step, loss=global_loss, grad_norm=float(result.grad_norm), lr=lr, tokens=tokens_since,
                           seconds=time.perf_counter() - t0, data_seconds=data_since)  # fmt: skip
             losses.append(global_loss)
             tokens_since, data_since, t0 = 0, 0.0, time.perf_counter()
-        if c.checkpointer is not None:
+        if c.checkpointer is not None and c.checkpointer.is_due(step, last=step == training.steps):
+            nonfinite.check()  # never save weights a non-finite step has already spoilt
             saving = time.perf_counter()
             c.checkpointer.save_if_due(step, last=step == training.steps)
             t0 += time.perf_counter() - saving  # a save is not training: tok/s leaves it out

@@ -19,7 +19,7 @@ from parallelisms.dtensor import DTensor
 from parallelisms.parallel_dims import ParallelDims
 from tests.world import run_world
 from trainer.data import TokenBatches, accumulation_steps
-from trainer.train import IGNORE_INDEX, global_target_count, init_model, reduce_loss, train_step
+from trainer.train import IGNORE_INDEX, NonfiniteWatch, global_target_count, init_model, reduce_loss, train_step
 
 ARGS = dataclasses.replace(llama3_configs["debugmodel"], dim=32, n_layers=2, n_heads=4, vocab_size=37, max_seq_len=8)
 GLOBAL, SEQ = 8, 8
@@ -54,10 +54,10 @@ def _step(micro: int, lr: float = 1.0) -> dict[str, object]:
     targets = global_target_count([lab for _, lab in batches], dims, mesh)
     result = train_step(
         model, opt, batches, targets=targets, dp_size=world, max_norm=1.0, use_loss_parallel=False,
-        skip_nonfinite=False, step=1,
+        skip_nonfinite=False,
     )  # fmt: skip
     params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for n, p in model.named_parameters()}
-    return {"loss": reduce_loss(result.loss, dims, mesh), "norm": result.grad_norm, "params": params}
+    return {"loss": reduce_loss(result.loss, dims, mesh), "norm": float(result.grad_norm), "params": params}
 
 
 def _reference_loss() -> float:
@@ -81,7 +81,7 @@ def test_one_step_is_the_same_for_every_accumulation_and_dp_split() -> None:
                 torch.testing.assert_close(p, whole["params"][name], rtol=1e-5, atol=1e-6)
 
 
-def test_nonfinite_step_stops_naming_the_step() -> None:
+def test_nonfinite_step_stops_naming_the_step_without_a_sync_per_step() -> None:
     torch.manual_seed(0)
     with torch.device("meta"):
         model = Transformer(ARGS)
@@ -92,9 +92,19 @@ def test_nonfinite_step_stops_naming_the_step() -> None:
     inputs, labels = _global_batch()
     batch = [(inputs, labels)]
     targets = torch.tensor(float((labels != IGNORE_INDEX).sum()))
-    kwargs = dict(targets=targets, dp_size=1, max_norm=1.0, use_loss_parallel=False, step=7)
-    with pytest.raises(FloatingPointError, match="step 7: the gradient norm is nan.*skip_nonfinite_steps"):
-        train_step(model, opt, batch, skip_nonfinite=False, **kwargs)  # type: ignore[arg-type]
+    kwargs = dict(targets=targets, dp_size=1, max_norm=1.0, use_loss_parallel=False)
+    watch = NonfiniteWatch(torch.device("cpu"))
+    watch.check()  # nothing noted: fine
+    watch.note(6, torch.tensor(1.5))
+    result = train_step(model, opt, batch, skip_nonfinite=False, **kwargs)  # type: ignore[arg-type]
+    assert not result.skipped and not torch.isfinite(result.grad_norm)  # decided later, on the device
+    watch.note(7, result.grad_norm)
+    watch.note(8, result.grad_norm)
+    with pytest.raises(FloatingPointError, match="step 7: the gradient norm is not finite.*skip_nonfinite_steps"):
+        watch.check()  # names the first bad step
+    model.load_state_dict(Transformer(ARGS).state_dict())  # finite weights again, but for the output
+    with torch.no_grad():
+        model.output.weight.fill_(float("nan"))
     before = model.tok_embeddings.weight.detach().clone()
     result = train_step(model, opt, batch, skip_nonfinite=True, **kwargs)  # type: ignore[arg-type]
     assert result.skipped and torch.equal(model.tok_embeddings.weight, before)
@@ -135,7 +145,7 @@ def test_autocast_step_computes_in_bfloat16_and_keeps_float32_weights() -> None:
     model.output.register_forward_hook(lambda _m, _i, out: seen.append(out.dtype))
     inputs, labels = _global_batch()
     targets = torch.tensor(float((labels != IGNORE_INDEX).sum()))
-    kwargs = dict(targets=targets, dp_size=1, max_norm=1.0, use_loss_parallel=False, skip_nonfinite=False, step=1)
+    kwargs = dict(targets=targets, dp_size=1, max_norm=1.0, use_loss_parallel=False, skip_nonfinite=False)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     fp32 = train_step(model, opt, [(inputs, labels)], **kwargs)  # type: ignore[arg-type]
     bf16 = train_step(model, opt, [(inputs, labels)], autocast=torch.bfloat16, **kwargs)  # type: ignore[arg-type]
