@@ -148,3 +148,30 @@ def test_initial_weights_are_bitwise_the_same_on_every_layout(tmp_path) -> None:
         assert got.keys() == reference.keys(), name
         differ = [k for k in reference if not torch.equal(got[k], reference[k])]
         assert not differ, f"{name}: initial {differ[:3]} differ from one process's"
+
+
+def _train_tied_rank(argv: list[str]) -> list[str]:
+    """_train_rank with the 1B flavor's options (tied embeddings, GQA, RoPE scaling) at a test's size."""
+    import dataclasses
+
+    from models.llama3 import llama3_configs
+
+    real = llama3_configs["1B"]
+    llama3_configs["1B"] = dataclasses.replace(real, dim=64, n_layers=2, n_heads=4, n_kv_heads=2)
+    try:
+        return _train_rank(argv)
+    finally:
+        llama3_configs["1B"] = real
+
+
+def test_a_tied_model_saves_its_weight_once_and_resumes_bitwise(tmp_path) -> None:
+    job = [*_JOB, "--model.flavor", "1B"]
+    straight = _losses(run_world(_train_tied_rank, 2, [*job, "--job.dump_folder", str(tmp_path / "a")])[0])
+    saved = _tensors(tmp_path / "a" / "checkpoint" / "step-4")
+    assert "model.tok_embeddings.weight" in saved and not any("output.weight" in k for k in saved)
+    assert any(k.startswith("optimizer.state.tok_embeddings.weight.") for k in saved)
+    _resume_from_step_2(tmp_path / "a", tmp_path / "b")
+    resumed = _losses(run_world(_train_tied_rank, 2, [*job, "--job.dump_folder", str(tmp_path / "b")])[0])
+    assert resumed == straight[2:], (straight, resumed)
+    got = _tensors(tmp_path / "b" / "checkpoint" / "step-4")
+    assert saved.keys() == got.keys() and all(torch.equal(saved[k], got[k]) for k in saved)
