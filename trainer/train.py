@@ -396,6 +396,7 @@ def build_validator(
         last_step=training.steps, dp_rank=dp_rank, dp_size=dp_size,
         dp_mesh=runtime.world_mesh["dp_cp"] if runtime.parallel_dims.dp_cp_enabled else None,
         use_loss_parallel=use_loss_parallel(cfg, runtime.parallel_dims), device=runtime.device, writer=writer,
+        autocast=autocast_dtype(cfg, runtime),
     )  # fmt: skip
 
 

@@ -122,10 +122,12 @@ def evaluate(
     device: torch.device,
     dp_mesh: DeviceMesh | None,
     use_loss_parallel: bool,
+    autocast: torch.dtype | None = None,
 ) -> ValidationResult:
     """The global mean token loss of `model` over `batches` (this rank's part of each), in eval mode
     (restored after). The token-loss sum and target count are summed over `dp_mesh` in one all-reduce;
-    under loss parallelism the loss is computed on vocabulary-sharded logits."""
+    under loss parallelism the loss is computed on vocabulary-sharded logits. `autocast`: the forward
+    in that dtype, as training's (mixed precision without FSDP)."""
     was_training = model.training
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # (token-loss sum, target count)
@@ -134,7 +136,8 @@ def evaluate(
         for inputs, labels in batches:
             inputs, labels = inputs.to(device), labels.to(device)
             with loss_parallel() if use_loss_parallel else contextlib.nullcontext():  # one-shot: one per batch
-                logits = model(inputs)  # (B, T, V)   S(-1) under loss parallelism
+                with torch.autocast(device.type, autocast) if autocast else contextlib.nullcontext():
+                    logits = model(inputs)  # (B, T, V)   S(-1) under loss parallelism
                 token_sum = F.cross_entropy(
                     logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum", ignore_index=IGNORE_INDEX
                 )  # (B*T, V) vs (B*T,)
@@ -171,10 +174,11 @@ class Validator:
         use_loss_parallel: bool,
         device: torch.device,
         writer: ScalarWriter | None = None,
+        autocast: torch.dtype | None = None,
     ) -> None:
         self.source, self.freq, self.steps, self.last_step = source, freq, steps, last_step
         self.local_batch_size, self.dp_rank, self.dp_size, self.dp_mesh = local_batch_size, dp_rank, dp_size, dp_mesh
-        self.use_loss_parallel, self.device, self.writer = use_loss_parallel, device, writer
+        self.use_loss_parallel, self.device, self.writer, self.autocast = use_loss_parallel, device, writer, autocast
 
     def should_validate(self, step: int) -> bool:
         return step % self.freq == 0 or step == self.last_step
@@ -186,8 +190,9 @@ class Validator:
             dp_size=self.dp_size, steps=self.steps,
         )  # fmt: skip
         result = evaluate(
-            model, batches, device=self.device, dp_mesh=self.dp_mesh, use_loss_parallel=self.use_loss_parallel
-        )
+            model, batches, device=self.device, dp_mesh=self.dp_mesh, use_loss_parallel=self.use_loss_parallel,
+            autocast=self.autocast,
+        )  # fmt: skip
         logger.info(
             "validate step %d | loss %.4f | batches %d | tokens %s | %.2fs",
             step, result.loss, result.batches, f"{result.targets:,}", time.perf_counter() - start,
