@@ -2,14 +2,15 @@
 
 from typing import Any
 
+import torch
 from torch.optim.optimizer import _foreach_supported_types as _optim_foreach_types
 from torch.utils._foreach_utils import _foreach_supported_types as _util_foreach_types
 
 from . import dispatch as _dispatch  # noqa: F401  (registers every op rule before the first DTensor op)
-from .device_mesh import DeviceMesh, current_mesh, init_device_mesh
-from .dtensor import DTensor, distribute_module, distribute_tensor
+from .device_mesh import DeviceMesh, _unpickle_mesh, current_mesh, init_device_mesh
+from .dtensor import DTensor, _rebuild_dtensor, distribute_module, distribute_tensor
 from .factories import empty, full, ones, rand, randn, zeros
-from .placements import Partial, Placement, Replicate, Shard
+from .placements import Partial, Placement, Replicate, Shard, _StridedShard
 
 # torch.optim and clip_grad_norm_ take their fast foreach paths only for tensor types on these lists
 # (torch's own DTensor registers itself the same way); our foreach rules keep those paths sharded.
@@ -18,6 +19,12 @@ _foreach_type_lists: tuple[list[Any], ...] = (_optim_foreach_types, _util_foreac
 for _types in _foreach_type_lists:
     if DTensor not in _types:
         _types.append(DTensor)
+
+# torch.load(weights_only=True) rebuilds only allow-listed globals; torch's DTensor lists its own
+# classes at import the same way, so a saved DTensor loads without weights_only=False.
+torch.serialization.add_safe_globals(
+    [DTensor, _rebuild_dtensor, _unpickle_mesh, Shard, _StridedShard, Replicate, Partial]
+)
 
 __all__ = [
     "DTensor",

@@ -72,6 +72,17 @@ def all_reduce(
     return pending(work, out, lambda t: _finish_reduce(t, reduce_op, group_size))
 
 
+def all_ranks_agree(flag: bool, device: torch.device) -> bool:
+    """The logical AND of `flag` over every rank of the default group (a 1-element MIN all-reduce).
+
+    torch.equal's answer, as torch's DTensor computes it: every rank of the world joins, those
+    outside the DTensor's mesh with True, so they learn the answer too.
+    """
+    t = torch.tensor(int(flag), device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+
 def all_gather(
     local: torch.Tensor, dim: int, group: ProcessGroup, sizes: list[int], *, async_op: bool = False
 ) -> torch.Tensor:

@@ -19,6 +19,7 @@ import torch.nn as nn
 
 from . import collectives
 from .device_mesh import DeviceMesh, current_mesh
+from .errors import ArgumentTypeError, UsageError
 from .placements import Partial, Placement, Replicate, Shard, _StridedShard, application_order, normalize_placements
 from .redistribute import check_target, conform_layout, partition_value, redistribute_local
 from .spec import DTensorSpec, TensorMeta
@@ -113,6 +114,11 @@ class DTensor(torch.Tensor):
         In backward the grad is moved to `grad_placements` (default: ours with Partial -> Replicate,
         as torch does) and this rank's shard of it is returned.
         """
+        if isinstance(local_tensor, DTensor):
+            raise ArgumentTypeError(
+                f"the local_tensor argument only accepts torch.Tensor but got {type(local_tensor)} value; "
+                f"a DTensor is already distributed: call .redistribute() or pass its .to_local()"
+            )
         mesh = device_mesh or _require_mesh("from_local")
         placements = normalize_placements(
             placements or [Replicate()] * mesh.ndim, local_tensor.ndim, mesh.ndim, mesh.shape
@@ -405,6 +411,11 @@ def distribute_tensor(
     only that rank's data matters; with `src_data_rank=None` every rank chunks its own copy locally
     (no communication; the copies must agree).
     """
+    if not tensor.is_leaf:
+        raise UsageError(
+            "`distribute_tensor` should be used to distribute leaf tensors! but found non-leaf tensor! "
+            "(its autograd history would be cut); distribute the leaf, or use DTensor.from_local on each rank's part"
+        )
     mesh = device_mesh or _require_mesh("distribute_tensor")
     placements = normalize_placements(placements or [Replicate()] * mesh.ndim, tensor.ndim, mesh.ndim, mesh.shape)
     if isinstance(tensor, DTensor):

@@ -12,6 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the placement math here needs no torch; only _split_tensor touches tensors
+    import torch
 
 REDUCE_OPS = ("sum", "avg", "prod", "min", "max")  # plus "norm<p>" (p-norm partials, see norm_order)
 
@@ -49,6 +53,30 @@ class Shard(Placement):
     @staticmethod
     def local_shard_size_and_offset(size: int, num_chunks: int, index: int) -> tuple[int, int]:
         return chunk_size_and_offset(size, num_chunks, index)
+
+    def _split_tensor(
+        self, tensor: torch.Tensor, num_chunks: int, *, with_padding: bool = True, contiguous: bool = True
+    ) -> tuple[list[torch.Tensor], list[int]]:
+        """Every rank's shard of `tensor` (torch.chunk, empty trailing shards filled in) and, with
+        `with_padding`, each padded at its end to the first shard's length with the pad sizes.
+
+        Named as torch's Shard helper, which ported code and torch's tests call directly.
+        """
+        import torch.nn.functional as F
+
+        full = tensor.size(self.dim)
+        shards, pads = [], []
+        for index in range(num_chunks):
+            length, offset = chunk_size_and_offset(full, num_chunks, index)
+            shard = tensor.narrow(self.dim, offset, length)
+            if with_padding:
+                pad = (full + num_chunks - 1) // num_chunks - length
+                if pad:
+                    widths = [0, 0] * (tensor.ndim - 1 - self.dim) + [0, pad]
+                    shard = F.pad(shard, widths)
+                pads.append(pad)
+            shards.append(shard.contiguous() if contiguous else shard)
+        return shards, pads
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,9 +132,12 @@ class Partial(Placement):
     reduce_op: str = "sum"
 
     def __post_init__(self) -> None:
+        if self.reduce_op == "product":  # c10d's name (torch accepts it); one spelling inside
+            object.__setattr__(self, "reduce_op", "prod")
         if self.reduce_op not in REDUCE_OPS and norm_order(self.reduce_op) is None:
             raise ValueError(
-                f"Partial(reduce_op={self.reduce_op!r}) is not supported; use one of {REDUCE_OPS} "
+                f"Partial(reduce_op={self.reduce_op!r}) is not supported; use one of {REDUCE_OPS} ('product' "
+                f"is 'prod') "
                 f"or 'norm<p>' (e.g. 'norm2') for a finite p > 0"
             )
 
@@ -181,8 +212,8 @@ def normalize_placements(
     placements = tuple(placements)
     if len(placements) != mesh_ndim:
         raise ValueError(
-            f"got {len(placements)} placements {list(map(str, placements))} for a {mesh_ndim}-D mesh; "
-            f"give exactly one placement per mesh dim"
+            f"placements {list(map(str, placements))} must have the same length as the mesh's ndim: "
+            f"{len(placements)} placements for a {mesh_ndim}-D mesh; give exactly one placement per mesh dim"
         )
     out: list[Placement] = []
     reduce_ops: set[str] = set()

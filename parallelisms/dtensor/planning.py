@@ -22,11 +22,12 @@ from typing import Any
 import torch
 from torch._ops import OpOverload
 
+from .errors import ShardingError
 from .ops import RULES, OpCall, Sharding, rule_file_for
 from .ops import foreach as foreach_ops
 from .ops import random as random_ops
 from .ops.decompositions import Decomposition, find_decomposition
-from .ops.registry import LOCAL_SHAPE, LOCAL_STRIDE, LocalImpl, ScalarTensor
+from .ops.registry import LOCAL_SHAPE, LOCAL_STRIDE, WORLD_LOCAL_IMPLS, LocalImpl, ScalarTensor
 from .placements import Placement, Replicate, Shard, _StridedShard, is_strided
 from .redistribute import redistribute_seconds
 from .spec import DTensorSpec, TensorMeta, dense_stride_like
@@ -109,8 +110,17 @@ def build_plan(op: OpOverload, key_args: tuple, key_kwargs: dict, cache: PlanCac
             f"{tuple(tuple(str(p) for p in s.placements) for s in specs)}; rules for this family live in "
             f"{rule_file_for(op)} (or wrap the call in parallelisms.dtensor.dispatch.replicate_fallback())"
         )
-    choice = choose(call, rule(call))
+    choice = choose(call, _run_rule(rule, call))
     return _finish_plan(call, choice)
+
+
+def _run_rule(rule: Any, call: OpCall) -> Any:
+    """The rule's shardings; its refusal worded as torch's DTensor words one ("Sharding propagation
+    failed"), which ported code and tests match on."""
+    try:
+        return rule(call)
+    except ShardingError as e:
+        raise type(e)(f"Sharding propagation failed for {call.op}: {e}") from None
 
 
 # Ops that put each output element at the index of the input elements it reads (or reduce all of
@@ -294,7 +304,7 @@ def _finish_plan(call: OpCall, choice: Sharding) -> Plan:
             redistributes=False,
             random=False,
             returns=_returns(op, call),
-            local_impl=_off_mesh_outputs,
+            local_impl=_off_mesh_impl(op, choice, output_specs),
             plain=False,
         )
     return Plan(
@@ -323,6 +333,20 @@ def _off_mesh_outputs(local_args: list, local_kwargs: dict, input_specs: tuple, 
         for spec in output_specs
     ]
     return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def _off_mesh_impl(op: OpOverload, choice: Sharding, output_specs: tuple) -> LocalImpl:
+    """What runs on a rank outside the mesh: a world collective the op needs (torch.equal's), else
+    nothing but default outputs."""
+    if choice.local_impl in WORLD_LOCAL_IMPLS:
+        return choice.local_impl
+    return _off_mesh_outputs if output_specs else functools.partial(_off_mesh_scalar, op)
+
+
+def _off_mesh_scalar(op: OpOverload, *_: Any) -> Any:
+    """A Python-value result (torch.equal, item()) on a rank outside the mesh: True for a bool, as
+    torch's logical-and of the participants' answers reads there, else 0."""
+    return True if str(op._schema.returns[0].type) == "bool" else 0
 
 
 def _resolve_local_args(local_args: tuple | None, output_specs: tuple) -> tuple | None:

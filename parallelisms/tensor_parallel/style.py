@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 
 from ..dtensor import DeviceMesh, DTensor, Placement, Replicate, Shard, distribute_module, distribute_tensor
+from ..dtensor.errors import StyleArgumentError
 from .apply_order import check_param_layout, join_path
 
 
@@ -219,9 +220,9 @@ class PrepareModuleInput(ParallelStyle):
         self.input_layouts = _as_tuple(input_layouts)
         self.desired_input_layouts = _as_tuple(desired_input_layouts)
         if self.input_layouts is not None and len(self.input_layouts) != len(self.desired_input_layouts or ()):
-            raise ValueError(
-                f"input_layouts {self.input_layouts} and desired_input_layouts {self.desired_input_layouts} "
-                f"must have the same length (None marks inputs to leave alone)"
+            raise StyleArgumentError(
+                f"input_layouts and desired_input_layouts should have same length! got {self.input_layouts} and "
+                f"{self.desired_input_layouts} (None marks inputs to leave alone)"
             )
         self.input_kwarg_layouts = input_kwarg_layouts or {}
         self.desired_input_kwarg_layouts = desired_input_kwarg_layouts or {}
@@ -229,9 +230,11 @@ class PrepareModuleInput(ParallelStyle):
 
     def _prepare(self, module: nn.Module, args: tuple, kwargs: dict, mesh: DeviceMesh) -> tuple[tuple, dict]:
         if self.input_layouts is not None:
-            if len(args) < len(self.input_layouts):
+            if len(args) != len(self.input_layouts):
                 raise ValueError(
-                    f"module got {len(args)} inputs, the plan's input_layouts has {len(self.input_layouts)}"
+                    f"module inputs and input_layouts should have same length! module {type(module).__name__} got "
+                    f"{len(args)} positional inputs, input_layouts has {len(self.input_layouts)}; give one layout "
+                    f"per input (None leaves an input alone)"
                 )
             # __init__ checked that desired_input_layouts has input_layouts' length
             layouts = zip(self.input_layouts, self.desired_input_layouts)  # type: ignore[arg-type]
@@ -274,7 +277,10 @@ class PrepareModuleOutput(ParallelStyle):
         self.output_layouts = _as_tuple(output_layouts) or ()
         self.desired_output_layouts = _as_tuple(desired_output_layouts) or ()
         if len(self.output_layouts) != len(self.desired_output_layouts):
-            raise ValueError("output_layouts and desired_output_layouts must have the same length")
+            raise StyleArgumentError(
+                f"output_layouts and desired_output_layouts should have same length! got {self.output_layouts} "
+                f"and {self.desired_output_layouts}"
+            )
         self.use_local_output = use_local_output
 
     def _prepare(self, module: nn.Module, outputs: Any, mesh: DeviceMesh) -> Any:

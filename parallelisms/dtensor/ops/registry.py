@@ -24,6 +24,10 @@ Placements = tuple[Placement, ...]
 # local_impl(local_args, local_kwargs, input_specs, output_specs) -> the op's local output(s)
 LocalImpl = Callable[[list, dict, tuple[DTensorSpec, ...], tuple[DTensorSpec | None, ...]], Any]
 
+# local_impls that issue a collective over the whole world: ranks outside the DTensor's mesh must
+# run them too (on their empty shards), or the ranks on it would wait for them forever
+WORLD_LOCAL_IMPLS: set[LocalImpl] = set()
+
 
 class Slot(NamedTuple):
     """One value of an op call, in the flat order of its DTensor inputs (args, then kwargs; the

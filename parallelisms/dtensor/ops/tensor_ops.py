@@ -23,9 +23,10 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .. import collectives
 from ..placements import Partial, Placement, Replicate, Shard
 from ..spec import DTensorSpec, is_dense
-from .registry import LOCAL_SHAPE, LOCAL_STRIDE, OpCall, Sharding, register
+from .registry import LOCAL_SHAPE, LOCAL_STRIDE, WORLD_LOCAL_IMPLS, OpCall, Placements, Sharding, register
 
 aten = torch.ops.aten
 
@@ -285,10 +286,33 @@ def stack(call: OpCall) -> list[Sharding]:
     return expand(call, rows)
 
 
-@register(aten._local_scalar_dense.default, aten.equal.default)
+@register(aten._local_scalar_dense.default)
 def replicated_scalar(call: OpCall) -> Sharding:
-    """`item()` / `torch.equal`: a Python value that must be the same on every rank -> gather to R."""
+    """`item()`: a Python value that must be the same on every rank -> gather to R."""
     return Sharding(tuple((R,) * call.mesh_ndim for _ in call.specs), ())
+
+
+@register(aten.equal.default)
+def equal(call: OpCall) -> list[Sharding] | Sharding:
+    """torch.equal as torch runs it: each rank compares its shards under one shared placement (no
+    gather), then the world ANDs the answers (all_ranks_agree). Partial inputs are reduced first.
+
+    Equal local shapes on every rank imply equal global shapes: torch.chunk's sizes sum to the size.
+    """
+    if len(call.specs) != 2 or not all(isinstance(s, DTensorSpec) for s in call.specs):
+        return replicated_scalar(call)
+    a, b = call.specs
+    r = (R,) * call.mesh_ndim
+    options = [p for p in (a.placements, b.placements) if not any(isinstance(x, Partial) for x in p)] + [r]
+    return [Sharding((t, t), (), local_impl=_equal_everywhere) for t in dict.fromkeys(options)]
+
+
+def _equal_everywhere(local_args: list, local_kwargs: dict, input_specs: tuple, output_specs: tuple) -> bool:
+    a, b = local_args[0], local_args[1]
+    return collectives.all_ranks_agree(torch.equal(a, b), a.device)
+
+
+WORLD_LOCAL_IMPLS.add(_equal_everywhere)
 
 
 @register(aten.is_same_size.default)
@@ -360,3 +384,33 @@ def sort_topk(call: OpCall) -> list[Sharding]:
     self = call.bound["self"]
     dim = norm_dim(call.bound["dim"], self.ndim)
     return expand(call, same_dim_rows(call, self.ndim, ["self"], {dim}, num_outputs=2, reduce_ops=()))
+
+
+# --------------------------------------------------------------------------------------------------
+# bucketize
+# --------------------------------------------------------------------------------------------------
+
+
+@register(aten.bucketize.Tensor)
+def bucketize(call: OpCall) -> list[Sharding]:
+    """bucketize(x, boundaries): for each element of x, how many boundaries lie below it (at or
+    below with right=True). Per mesh dim:
+
+        x S(d) or R, boundaries R        elementwise in x: x's placement
+        x P(max) / P(min), boundaries R  the count is monotone in x, so the max (min) survives
+        x R, boundaries S(0)             each rank counts its own boundaries: the counts add, P(sum)
+
+    P(sum)/P(avg) x must be reduced first (a count of a sum is no sum of counts).
+    """
+    x = call.specs[0]
+    rows = [Row({"self": R, "boundaries": R}, (R,))]
+    rows += [Row({"self": Shard(d), "boundaries": R}, (Shard(d),)) for d in range(x.ndim)]
+    rows += [Row({"self": Partial(op), "boundaries": R}, (Partial(op),)) for op in ("max", "min")]
+    rows.append(Row({"self": R, "boundaries": Shard(0)}, (Partial("sum"),)))
+    return [s for s in expand(call, rows) if _one_reduce_op(s.outputs[0])]
+
+
+def _one_reduce_op(placements: Placements | None) -> bool:
+    """A spec holds one kind of Partial (mixed reduce ops have no single reduction order)."""
+    ops = {p.reduce_op for p in placements or () if isinstance(p, Partial)}
+    return len(ops) <= 1

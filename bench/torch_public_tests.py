@@ -1,0 +1,322 @@
+"""Run torch's own public-API DTensor / tensor-parallel tests on torch and on meshtrain.
+
+The test sources are torch's (never copied into this repo): point the runner at a pytorch
+checkout (`--src DIR`, the folder that holds `test/distributed/...`) or at a bare git dir and a
+revision (`--git-dir DIR --rev v2.13.0`). Each chosen file is copied into a temp dir twice:
+
+- `torch/`: unchanged;
+- `ours/`: only the imports rewritten (`torch.distributed.tensor` -> `parallelisms.dtensor`,
+  `.parallel` -> `parallelisms.tensor_parallel`, `.debug` / `.experimental` ->
+  `parallelisms.dtensor.debug` / `.experimental`, `torch.distributed.device_mesh` ->
+  `parallelisms.dtensor.device_mesh`). Private modules (`torch.distributed.tensor._*`) stay
+  torch's. The test harness `common_dtensor` builds meshes and models from the public names too,
+  so `ours/` gets a copy of it with the same rewrite, and the tests import that copy.
+
+Both sides run under pytest (CPU, gloo), one file at a time. The report lists per-file pass counts,
+the tests that pass on torch but fail on ours (skip list below excluded), and one JSON line.
+
+    python bench/torch_public_tests.py --src ~/pytorch
+    python bench/torch_public_tests.py --src ~/pytorch --files test_init.py -k zeros
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TEST_ROOT = "test/distributed/tensor"
+
+# The public-API files: DTensor construction and API, factories, redistribution, the tensor ops
+# torch tests one by one, CommDebugMode, and the tensor-parallel styles, plans and examples. The
+# op-sweep files (test_dtensor_ops.py, OpInfo-driven), compile/export/attention files and the
+# FSDP x TP files exercise torch internals or other subsystems and are left out.
+DEFAULT_FILES = (
+    "test_api.py",
+    "test_init.py",
+    "test_dtensor.py",
+    "test_redistribute.py",
+    "test_tensor_ops.py",
+    "debug/test_comm_mode.py",
+    "parallel/test_tp_style.py",
+    "parallel/test_parallelize_api.py",
+    "parallel/test_tp_examples.py",
+)
+
+# Tests that exercise torch internals rather than public behaviour: not counted against us.
+# Keys are "<file>::<Class>::<test>", "<Class>::<test>", a test name, or a class name.
+_PRIVATE_SPEC = "builds a DTensor straight from torch's private DTensorSpec/TensorMeta (torch internals)"
+SKIPS: dict[str, str] = {
+    "TestCommModeGeneric::test_comm_mode": "counts funcol collectives on torch's fake process group (torch internals)",
+    "TestCommModeGeneric::test_comm_mode_coalesced": "funcol all_reduce_coalesced on torch's fake backend",
+    "TestCommModeGeneric::test_comm_mode_with_dtensor": (
+        "needs torch's private _redistribute.use_min_cost_redistribution_plan planner knob, on a fake pg"
+    ),
+    "DTensorTest::test_dtensor_constructor": _PRIVATE_SPEC,
+    "DTensorTest::test_to_local": _PRIVATE_SPEC,
+    "DTensorTest::test_shard_tensor": "calls torch's private _api._shard_tensor",
+    "DTensorTest::test_shard_tensor_2d": "calls torch's private _api._shard_tensor",
+    "DTensorMeshTest::test_dtensor_spec_local_shard_offset": (
+        "calls torch's private _utils.compute_local_shape_and_global_offset on the mesh"
+    ),
+    "TestDTensorSpec": "torch's private DTensorSpec shard_order bookkeeping",
+    "DistTensorOpsTest::test_gather": "asserts torch's private _MaskPartial placement class",
+    "DistTensorOpsTest::test_stack_cache": "patches torch's private ShardingPropagator",
+    "DistTensorOpsTest::test_dtensor_dtype_conversion": "reads torch's private sharding-propagation cache stats",
+    "DistTensorOpsTest::test_single_dim_strategy_dtype_cache_key": "patches torch's private strategy registry",
+    "DistBucketizeTest": "runs under torch's private LocalTensorMode",
+}
+# Classes made by common_dtensor.create_local_tensor_test_class rerun a class under torch's private
+# LocalTensor simulation mode (torch.distributed._local_tensor): torch internals, not counted.
+SKIP_CLASS_SUFFIXES = {"WithLocalTensor": "torch's private LocalTensor simulation mode"}
+
+# Longest prefix first: the first match wins.
+_MODULE_MAP = (
+    ("torch.distributed.tensor.parallel", "parallelisms.tensor_parallel"),
+    ("torch.distributed.tensor.debug", "parallelisms.dtensor.debug"),
+    ("torch.distributed.tensor.experimental", "parallelisms.dtensor.experimental"),
+    ("torch.distributed.tensor.device_mesh", "parallelisms.dtensor.device_mesh"),
+    ("torch.distributed.tensor.placement_types", "parallelisms.dtensor.placements"),
+    ("torch.distributed.device_mesh", "parallelisms.dtensor.device_mesh"),
+    ("torch.distributed.tensor", "parallelisms.dtensor"),
+    ("torch.distributed._tensor", "parallelisms.dtensor"),  # torch's deprecated alias of the above
+)
+_DOTTED = re.compile(r"\btorch\.distributed\.(?:_tensor|tensor|device_mesh)(?:\.[A-Za-z_]\w*)*")
+_HARNESS = "torch.testing._internal.distributed._tensor.common_dtensor"
+_OUR_HARNESS = "common_dtensor_ours"
+
+
+def rewrite_dotted(name: str) -> str:
+    """One dotted name, rewritten when it is public (no `_`-prefixed part below torch.distributed)."""
+    for theirs, ours in _MODULE_MAP:
+        if name == theirs or name.startswith(theirs + "."):
+            rest = name[len(theirs) :]
+            if any(part.startswith("_") for part in rest.split(".") if part):
+                return name  # a private module or attribute: torch internals stay torch's
+            return ours + rest
+    return name
+
+
+def rewrite_imports(source: str) -> str:
+    """The test file with only its module paths swapped to ours (harness included)."""
+    source = source.replace(_HARNESS, _OUR_HARNESS)
+    source = _DOTTED.sub(lambda m: rewrite_dotted(m.group(0)), source)
+    # attribute uses such as `parallelisms.dtensor.ones(...)` need the package bound as a name
+    lines = source.splitlines(keepends=True)
+    for i, line in enumerate(lines):
+        if line.startswith(("import ", "from ")) and not line.startswith("from __future__"):
+            lines.insert(i, "import parallelisms.dtensor  # noqa: F401\n")
+            lines.insert(i + 1, "import parallelisms.tensor_parallel  # noqa: F401\n")
+            break
+    return "".join(lines)
+
+
+@dataclass
+class FileResult:
+    passed: set[str] = field(default_factory=set)
+    failed: dict[str, str] = field(default_factory=dict)
+    skipped: set[str] = field(default_factory=set)
+    error: str = ""
+
+
+def read_sources(args: argparse.Namespace, files: list[str]) -> dict[str, str]:
+    sources = {}
+    for rel in files:
+        path = f"{TEST_ROOT}/{rel}"
+        if args.src:
+            sources[rel] = (Path(args.src) / path).read_text()
+        else:
+            cmd = ["git", "--git-dir", args.git_dir, "show", f"{args.rev}:{path}"]
+            sources[rel] = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return sources
+
+
+def harness_source() -> str:
+    import torch.testing._internal.distributed._tensor.common_dtensor as harness
+
+    return Path(harness.__file__).read_text()
+
+
+# Both sides: torch's per-test harness (MultiProcessTestCase) spawns fresh interpreters for every
+# test (each re-imports torch: 5-20 s a test on a small machine); forking the already-imported
+# pytest process gives the same ranks in a fraction of that. Only the process start differs.
+_FORK_CONFTEST = """
+import torch.multiprocessing
+from torch.testing._internal.common_distributed import MultiProcessTestCase
+
+
+def _fork_processes(self):
+    self._start_processes(torch.multiprocessing.get_context("fork").Process)
+
+
+MultiProcessTestCase._spawn_processes = _fork_processes
+"""
+
+
+def prepare(workdir: Path, sources: dict[str, str], fork: bool) -> None:
+    for side in ("torch", "ours"):
+        if fork:
+            (workdir / side).mkdir(parents=True, exist_ok=True)
+            (workdir / side / "conftest.py").write_text(_FORK_CONFTEST)
+        for rel, text in sources.items():
+            dst = workdir / side / rel.replace("/", "__")
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            dst.write_text(text if side == "torch" else rewrite_imports(text))
+    (workdir / "ours" / f"{_OUR_HARNESS}.py").write_text(rewrite_imports(harness_source()))
+
+
+def run_pytest(workdir: Path, side: str, rel: str, keyword: str | None, timeout: int) -> FileResult:
+    """One file on one side. torch's continuous test classes skip the rest of a class after a
+    failure ("Previous test failed"); those tests are run again by node id until none is left."""
+    test_file = workdir / side / rel.replace("/", "__")
+    result = FileResult()
+    targets = [str(test_file)]
+    for attempt in range(50):
+        xml_path = workdir / f"{side}-{test_file.stem}-{attempt}.xml"
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *targets, f"--junitxml={xml_path}"]
+        if keyword:
+            cmd += ["-k", keyword]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(workdir / side), str(REPO)]), CUDA_VISIBLE_DEVICES="")
+        try:
+            proc = subprocess.run(cmd, cwd=workdir / side, env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            result.error = f"timed out after {timeout}s"
+            return result
+        if not xml_path.exists():
+            result.error = (proc.stdout + proc.stderr)[-2000:]
+            return result
+        targets = _read_junit(xml_path, rel, test_file, result)
+        if not targets:
+            break
+    return result
+
+
+def _read_junit(xml_path: Path, rel: str, test_file: Path, result: FileResult) -> list[str]:
+    """Record outcomes; return the node ids skipped only because an earlier test failed."""
+    again = []
+    for case in ET.parse(xml_path).iter("testcase"):
+        cls, test = case.get("classname", "").rsplit(".", 1)[-1], case.get("name", "")
+        name = f"{rel.rsplit('/', 1)[-1]}::{cls}::{test}"
+        bad = case.find("failure") if case.find("failure") is not None else case.find("error")
+        skip = case.find("skipped")
+        if bad is not None:
+            result.failed[name] = _summary(bad.get("message") or bad.text or "")
+        elif skip is not None and (skip.get("message") or "").startswith("Previous test failed"):
+            again.append(f"{test_file}::{cls}::{test}")
+        elif skip is not None:
+            result.skipped.add(name)
+        else:
+            result.passed.add(name)
+    return again
+
+
+def _summary(message: str) -> str:
+    """The last informative line of a failure (worker tracebacks bury the error at the end)."""
+    lines = [ln.strip() for ln in message.strip().splitlines() if ln.strip()]
+    errors = [ln for ln in lines if re.match(r"^\w*(Error|Exception|Warning)\b", ln)]
+    return (errors[-1] if errors else lines[-1] if lines else "")[:300]
+
+
+def skip_reason(name: str) -> str | None:
+    """Why `name` ("file::Class::test") is not counted, or None."""
+    _, cls, test = name.split("::")
+    for suffix, why in SKIP_CLASS_SUFFIXES.items():
+        if cls.endswith(suffix):
+            return why
+    return SKIPS.get(name) or SKIPS.get(f"{cls}::{test}") or SKIPS.get(test) or SKIPS.get(cls)
+
+
+def report(results: dict[str, dict[str, FileResult]]) -> dict[str, object]:
+    per_file, gaps, skipped = {}, [], []
+    for rel, sides in results.items():
+        theirs, ours = sides["torch"], sides["ours"]
+        counted = {n for n in theirs.passed if not skip_reason(n)}
+        skipped += sorted(n for n in theirs.passed if skip_reason(n))
+        ours_pass = counted & ours.passed
+        per_file[rel] = {"torch": len(counted), "ours": len(ours_pass)}
+        error = theirs.error or ours.error
+        print(f"{rel:40s} torch {len(counted):4d}  ours {len(ours_pass):4d}" + (f"  [{error[-300:]}]" if error else ""))
+        for name in sorted(counted - ours.passed):
+            gaps.append(name)
+            print(f"    FAIL {name}: {ours.failed.get(name, 'not run / ' + ours.error[-200:])}")
+        for name in sorted(n for n in theirs.passed if skip_reason(n)):
+            print(f"    skip {name}: {skip_reason(name)}")
+    total_t = sum(v["torch"] for v in per_file.values())
+    total_o = sum(v["ours"] for v in per_file.values())
+    print(f"{'total':40s} torch {total_t:4d}  ours {total_o:4d}  (skipped as torch internals: {len(skipped)})")
+    return {"torch_passed": total_t, "ours_passed": total_o, "per_file": per_file, "failures": gaps, "skipped": skipped}
+
+
+def _cache_key(rel: str, source: str, keyword: str | None, mode: str) -> str:
+    import torch
+
+    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
+    return f"{rel}|{digest}|{keyword}|{torch.__version__}|{mode}"
+
+
+def load_cache(path: Path) -> dict[str, dict[str, list[str]]]:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def run_torch_side(workdir: Path, rel: str, source: str, args: argparse.Namespace, cache: dict) -> FileResult:
+    """torch's outcomes, reused from the cache when the same source ran on the same torch."""
+    key = _cache_key(rel, source, args.keyword, "spawn" if args.spawn else "fork")
+    if key in cache and not args.refresh:
+        hit = cache[key]
+        return FileResult(passed=set(hit["passed"]), failed=dict(hit["failed"]), skipped=set(hit["skipped"]))
+    result = run_pytest(workdir, "torch", rel, args.keyword, args.timeout)
+    if not result.error:
+        cache[key] = {"passed": sorted(result.passed), "failed": result.failed, "skipped": sorted(result.skipped)}
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--src", help="a pytorch checkout (holds test/distributed/tensor)")
+    src.add_argument("--git-dir", help="a pytorch git dir, read with git show")
+    parser.add_argument("--rev", default="v2.13.0", help="revision for --git-dir")
+    parser.add_argument("--files", nargs="*", default=list(DEFAULT_FILES), help=f"paths under {TEST_ROOT}")
+    parser.add_argument("-k", dest="keyword", help="pytest -k expression")
+    parser.add_argument("--timeout", type=int, default=3600, help="seconds per file and side")
+    parser.add_argument(
+        "--cache",
+        type=Path,
+        default=Path.home() / ".cache" / "meshtrain" / "torch_public_tests.json",
+        help="torch-side outcomes by file, source hash, -k and torch version",
+    )
+    parser.add_argument("--refresh", action="store_true", help="rerun torch's side even when cached")
+    parser.add_argument("--spawn", action="store_true", help="torch's spawned ranks instead of forked ones")
+    parser.add_argument("--keep", action="store_true", help="keep the temp dir (printed)")
+    args = parser.parse_args()
+
+    workdir = Path(tempfile.mkdtemp(prefix="torch_public_tests_"))
+    sources = read_sources(args, args.files)
+    prepare(workdir, sources, fork=not args.spawn)
+    cache = load_cache(args.cache)
+    results = {}
+    for rel in args.files:
+        theirs = run_torch_side(workdir, rel, sources[rel], args, cache)
+        args.cache.parent.mkdir(parents=True, exist_ok=True)
+        args.cache.write_text(json.dumps(cache, indent=1))
+        results[rel] = {"torch": theirs, "ours": run_pytest(workdir, "ours", rel, args.keyword, args.timeout)}
+    summary = report(results)
+    print(json.dumps(summary))
+    if args.keep:
+        print(f"sources and junit xml kept in {workdir}")
+    else:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

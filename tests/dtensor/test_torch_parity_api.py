@@ -1,0 +1,200 @@
+"""API edges that torch's own DTensor / tensor-parallel tests check, run on torch's DTensor and ours.
+
+Found with bench/torch_public_tests.py: error types and their order (a non-leaf tensor is refused
+before its placements are looked at), `torch.load(weights_only=True)` of saved DTensors, Python
+results of ops on ranks outside the mesh, `Shard._split_tensor`, and PrepareModuleInput's checks.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.tensor as tdt
+from torch import nn
+
+import parallelisms.dtensor as odt
+from tests.dtensor.test_torch_parity import _mesh, both
+from tests.world import run_world
+
+
+def raised(fn: Callable[[], Any]) -> tuple[bool, bool, str] | None:
+    """(is ValueError, is RuntimeError, message) of what fn() raised; None if it returned."""
+    try:
+        fn()
+    except Exception as e:
+        return isinstance(e, ValueError), isinstance(e, RuntimeError), str(e)
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+# distribute_tensor / from_local refusals, weights_only load
+# --------------------------------------------------------------------------------------------------
+
+
+def refusals_program(name: str, dt, tp) -> dict[str, Any]:
+    mesh = _mesh(name)
+    non_leaf = torch.ones(4, 4, requires_grad=True) * 2
+    d = dt.distribute_tensor(torch.arange(16.0).view(4, 4), mesh, [dt.Shard(0)])
+    return {
+        "non-leaf": raised(lambda: dt.distribute_tensor(non_leaf, mesh, [dt.Shard(0)])),
+        # torch refuses the non-leaf before it looks at the (wrong) placement count
+        "non-leaf, 2 placements": raised(lambda: dt.distribute_tensor(non_leaf, mesh, [dt.Shard(0)] * 2)),
+        "2 placements": raised(lambda: dt.distribute_tensor(torch.ones(4, 4), mesh, [dt.Shard(0)] * 2)),
+        "from_local of a DTensor": raised(lambda: dt.DTensor.from_local(d, mesh, [dt.Shard(0)])),
+    }
+
+
+def save_load_program(name: str, dt, tp) -> list[tuple]:
+    mesh = _mesh(name)
+    loaded = []
+    for placements in ([dt.Shard(0)], [dt.Replicate()], [dt.Partial()]):
+        d = dt.DTensor.from_local(torch.arange(6.0).view(2, 3), mesh, placements)
+        buffer = io.BytesIO()
+        torch.save({"w": d}, buffer)
+        buffer.seek(0)
+        back = torch.load(buffer, weights_only=True)["w"]
+        loaded.append((type(back) is type(d), back.placements == d.placements, tuple(back.shape), back.to_local()))
+    return loaded
+
+
+def test_refusals_and_weights_only_load_follow_torch() -> None:
+    for result in run_world(both, 2, refusals_program):
+        ours, theirs = result["ours"], result["torch"]
+        for key in ours:
+            assert ours[key] is not None and theirs[key] is not None, key
+            assert ours[key][1] == theirs[key][1], (key, ours[key], theirs[key])  # RuntimeError or not
+        assert theirs["non-leaf, 2 placements"][1] and "leaf" in ours["non-leaf, 2 placements"][2]
+        assert ours["2 placements"][0] and theirs["2 placements"][0]
+        assert "must have the same length" in ours["2 placements"][2]
+        assert "only accepts torch.Tensor" in ours["from_local of a DTensor"][2]
+    for result in run_world(both, 2, save_load_program):
+        for ours, theirs in zip(result["ours"], result["torch"]):
+            assert ours[:3] == theirs[:3] and ours[0] and ours[1]
+            assert torch.equal(ours[3], theirs[3])
+
+
+# --------------------------------------------------------------------------------------------------
+# Python results on ranks outside the mesh
+# --------------------------------------------------------------------------------------------------
+
+
+def off_mesh_program(name: str, dt, tp) -> tuple[bool, bool]:
+    if name == "ours":
+        mesh = odt.DeviceMesh("cpu", [0, 1])
+    else:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        mesh = DeviceMesh("cpu", [0, 1])
+    a = dt.DTensor.from_local(torch.ones(4, 3), mesh, [dt.Shard(0)])
+    b = dt.DTensor.from_local(torch.zeros(4, 3), mesh, [dt.Shard(0)])
+    return a.equal(a), a.equal(b)
+
+
+@pytest.mark.parametrize("world_size", [4])
+def test_equal_outside_the_mesh_reads_true_as_torch(world_size: int) -> None:
+    results = run_world(both, world_size, off_mesh_program)
+    for rank, result in enumerate(results):
+        assert result["ours"] == result["torch"], (rank, result)
+    assert all(r["ours"] == (True, False) for r in results)  # ranks 2, 3 learn the mesh's answer
+
+
+# --------------------------------------------------------------------------------------------------
+# Shard._split_tensor, PrepareModuleInput's checks
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("padding", [True, False])
+def test_shard_split_tensor_matches_torch(padding: bool) -> None:
+    for size in range(7):
+        for dim, shape in ((0, (size, 3)), (1, (2, size))):
+            x = torch.arange(float(math.prod(shape))).view(shape)
+            ours, ours_pads = odt.Shard(dim)._split_tensor(x, 4, with_padding=padding)
+            theirs, their_pads = tdt.Shard(dim)._split_tensor(x, 4, with_padding=padding)
+            assert ours_pads == their_pads, (size, dim)
+            assert [t.shape for t in ours] == [t.shape for t in theirs], (size, dim)
+            for o, t in zip(ours, theirs):
+                torch.testing.assert_close(o, t, rtol=0, atol=0)
+                assert o.is_contiguous()
+
+
+class _TwoInputs(nn.Module):
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return x + y
+
+
+def prepare_input_program(name: str, dt, tp) -> dict[str, Any]:
+    mesh = _mesh(name)
+
+    def construct() -> None:
+        tp.PrepareModuleInput(input_layouts=dt.Shard(0), desired_input_layouts=(dt.Replicate(), None))
+
+    module = tp.parallelize_module(
+        _TwoInputs(), mesh, tp.PrepareModuleInput(input_layouts=dt.Shard(0), desired_input_layouts=dt.Replicate())
+    )
+    try:
+        construct()
+        construction = None
+    except AssertionError as e:  # torch asserts here; ours is also a ValueError
+        construction = ("AssertionError", str(e))
+    return {"construct": construction, "call": raised(lambda: module(torch.ones(2, 3), torch.ones(4, 3)))}
+
+
+def test_prepare_module_input_length_checks_raise_as_torch() -> None:
+    for result in run_world(both, 2, prepare_input_program):
+        ours, theirs = result["ours"], result["torch"]
+        assert ours["construct"] is not None and theirs["construct"] is not None
+        assert "should have same length" in ours["construct"][1]
+        assert ours["call"] is not None and theirs["call"] is not None
+        assert ours["call"][0] and theirs["call"][0]  # ValueError
+        assert "module inputs and input_layouts should have same length" in ours["call"][2]
+
+
+# --------------------------------------------------------------------------------------------------
+# Partial("product"), unbind's refusal, bucketize
+# --------------------------------------------------------------------------------------------------
+
+
+def ops_program(name: str, dt, tp) -> dict[str, Any]:
+    mesh = _mesh(name)
+    rank = torch.distributed.get_rank()
+    product = dt.DTensor.from_local(torch.full((4, 2), rank + 2.0), mesh, [dt.Partial("product")])
+    sharded = dt.distribute_tensor(torch.randn(4, 8), mesh, [dt.Shard(0)])
+    boundaries = torch.tensor([1.0, 3.0, 5.0, 7.0])
+    x = torch.tensor([[2.0, 4.0, 6.0, 8.0], [0.0, 1.0, 5.0, 9.0]]) + rank
+    bucketized = {}
+    for op in ("sum", "avg", "max", "min"):
+        out = torch.bucketize(
+            dt.DTensor.from_local(x, mesh, [dt.Partial(op)]), dt.distribute_tensor(boundaries, mesh, [dt.Replicate()])
+        )
+        bucketized[op] = (out.placements == (dt.Partial(op),), out.full_tensor())
+    counted = torch.bucketize(
+        dt.distribute_tensor(x, mesh, [dt.Replicate()]),
+        dt.distribute_tensor(boundaries, mesh, [dt.Shard(0)]),
+        right=True,
+    )
+    return {
+        "product": [piece.full_tensor() for piece in torch.split(product, 3, dim=0)],
+        "unbind": raised(lambda: sharded.unbind(0)),
+        "bucketize": bucketized,
+        "bucketize sharded boundaries": counted.full_tensor(),
+    }
+
+
+def test_product_partials_unbind_refusal_and_bucketize_as_torch() -> None:
+    for result in run_world(both, 2, ops_program):
+        ours, theirs = result["ours"], result["torch"]
+        for o, t in zip(ours["product"], theirs["product"]):
+            torch.testing.assert_close(o, t, rtol=0, atol=0)
+        assert ours["unbind"] is not None and theirs["unbind"] is not None and ours["unbind"][1]
+        assert (
+            "Sharding propagation failed" in ours["unbind"][2] and "Sharding propagation failed" in theirs["unbind"][2]
+        )
+        for op in ("sum", "avg", "max", "min"):
+            assert torch.equal(ours["bucketize"][op][1], theirs["bucketize"][op][1]), op
+            assert ours["bucketize"][op][0] == theirs["bucketize"][op][0], op  # P(max)/P(min) survive
+        assert torch.equal(ours["bucketize sharded boundaries"], theirs["bucketize sharded boundaries"])
