@@ -109,8 +109,9 @@ class DTensor(torch.Tensor):
         """Wrap every rank's `local_tensor` as the shards of one global tensor.
 
         Without `shape`, shards are assumed even (global size = local size * mesh dim size); pass
-        `shape` (and `stride`) for uneven shards. `run_check=True` verifies the local shapes against
-        the global shape and broadcasts replicated data from the first rank of each mesh dim.
+        `shape` and `stride` together (as torch requires) for uneven shards. `run_check=True` verifies
+        the local shapes against the global shape and broadcasts replicated data from the first rank
+        of each mesh dim.
         In backward the grad is moved to `grad_placements` (default: ours with Partial -> Replicate,
         as torch does) and this rank's shard of it is returned.
         """
@@ -118,6 +119,11 @@ class DTensor(torch.Tensor):
             raise ArgumentTypeError(
                 f"the local_tensor argument only accepts torch.Tensor but got {type(local_tensor)} value; "
                 f"a DTensor is already distributed: call .redistribute() or pass its .to_local()"
+            )
+        if (shape is None) != (stride is None):
+            raise UsageError(
+                f"Please pass both shape and stride at the same time (got shape={shape}, stride={stride}); "
+                f"for a contiguous global tensor stride is torch.empty(shape).stride()"
             )
         mesh = device_mesh or _require_mesh("from_local")
         placements = normalize_placements(

@@ -29,7 +29,8 @@ def async_matches_sync() -> list[str]:
         ([Partial()], [Shard(0)]),  # reduce_scatter
     ]
     for src, dst in cases:
-        d = DTensor.from_local(x.clone(), mesh, src, shape=(8, 6) if src[0].is_shard() else None)
+        shape, stride = ((8, 6), (6, 1)) if src[0].is_shard() else (None, None)
+        d = DTensor.from_local(x.clone(), mesh, src, shape=shape, stride=stride)
         want = d.redistribute(mesh, dst).to_local()
         got = d.redistribute(mesh, dst, async_op=True)
         if not isinstance(got._local_tensor, PendingTensor):

@@ -46,6 +46,12 @@ def refusals_program(name: str, dt, tp) -> dict[str, Any]:
         "non-leaf, 2 placements": raised(lambda: dt.distribute_tensor(non_leaf, mesh, [dt.Shard(0)] * 2)),
         "2 placements": raised(lambda: dt.distribute_tensor(torch.ones(4, 4), mesh, [dt.Shard(0)] * 2)),
         "from_local of a DTensor": raised(lambda: dt.DTensor.from_local(d, mesh, [dt.Shard(0)])),
+        "shape without stride": raised(
+            lambda: dt.DTensor.from_local(torch.ones(2, 4), mesh, [dt.Shard(0)], shape=(3, 4))
+        ),
+        "stride without shape": raised(
+            lambda: dt.DTensor.from_local(torch.ones(2, 4), mesh, [dt.Shard(0)], stride=(4, 1))
+        ),
     }
 
 
@@ -72,6 +78,7 @@ def test_refusals_and_weights_only_load_follow_torch() -> None:
         assert ours["2 placements"][0] and theirs["2 placements"][0]
         assert "must have the same length" in ours["2 placements"][2]
         assert "only accepts torch.Tensor" in ours["from_local of a DTensor"][2]
+        assert "Please pass both shape and stride" in ours["shape without stride"][2]
     for result in run_world(both, 2, save_load_program):
         for ours, theirs in zip(result["ours"], result["torch"]):
             assert ours[:3] == theirs[:3] and ours[0] and ours[1]

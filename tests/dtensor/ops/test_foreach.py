@@ -262,7 +262,7 @@ def norms_of_shards(mesh_shape) -> list[str]:
         failures.append("inf-norm with an empty shard")
     # the norm of a vector of P(norm2) norms stays P(norm2) (clip_grad_norm_'s total norm)
     (norm,) = torch._foreach_norm([distribute_tensor(t, mesh, (S0,) * ndim)])
-    norms = DTensor.from_local(norm.to_local().expand(2).contiguous(), mesh, norm.placements, shape=(2,))
+    norms = DTensor.from_local(norm.to_local().expand(2).contiguous(), mesh, norm.placements, shape=(2,), stride=(1,))
     total = torch.linalg.vector_norm(norms)
     if total.placements != (Partial("norm2"),) * ndim or not torch.allclose(total.full_tensor(), t.norm() * 2**0.5):
         failures.append(f"norm of P(norm2) norms: {total.placements}")
