@@ -177,9 +177,16 @@ def _unwrap_one(op: OpOverload, a: Any, dtensors: list[DTensor], call: tuple[tup
     if isinstance(a, torch.Tensor):
         if a.ndim == 0:  # a plain 0-d tensor acts as a replicated scalar
             return ScalarTensor(a.dtype, a.device.type), a
-        if a.numel() == 1 or OPTIONS.implicit_replication or op in OPTIONS.plain_as_replicate:
+        if (
+            a.numel() == 1
+            or OPTIONS.implicit_replication
+            or op in OPTIONS.plain_as_replicate
+            or torch._C._get_dtensor_allow_implicit_replication()
+        ):
             # single-element tensors count as replicated, as in torch (a tensor lr in fused AdamW);
-            # others only under implicit_replication() or for the ops of plain_tensors_as_replicate
+            # others only under implicit_replication(), for the ops of plain_tensors_as_replicate, or
+            # while torch's own implicit-replication flag is set: functorch's batch rules set it
+            # around the helper tensors they make (vmap of embedding offsets the ids by an arange)
             mesh = _first_mesh(*call)
             r = (Replicate(),) * mesh.ndim
             wrapped = DTensor(a, DTensorSpec(mesh, r, TensorMeta(a.shape, tuple(a.stride()), a.dtype)))

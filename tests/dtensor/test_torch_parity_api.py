@@ -205,3 +205,29 @@ def test_product_partials_unbind_refusal_and_bucketize_as_torch() -> None:
             assert torch.equal(ours["bucketize"][op][1], theirs["bucketize"][op][1]), op
             assert ours["bucketize"][op][0] == theirs["bucketize"][op][0], op  # P(max)/P(min) survive
         assert torch.equal(ours["bucketize sharded boundaries"], theirs["bucketize sharded boundaries"])
+
+
+# --------------------------------------------------------------------------------------------------
+# vmap: functorch's batch rules make plain helper tensors under torch's implicit-replication flag
+# --------------------------------------------------------------------------------------------------
+
+
+def vmap_program(name: str, dt, tp) -> tuple:
+    mesh = _mesh(name)
+    ids = torch.zeros(2, 6, dtype=torch.int64)
+    ids[0, 1] = ids[1, 3] = 1
+    ids = dt.DTensor.from_local(ids, mesh, [dt.Shard(0)])
+    weights = dt.DTensor.from_local(
+        torch.randn(2, 8, 4, generator=torch.Generator().manual_seed(0)), mesh, [dt.Shard(0)]
+    )
+    out = torch.vmap(torch.nn.functional.embedding)(ids, weights)
+    return tuple(out.shape), out.full_tensor()
+
+
+def test_vmap_of_embedding_over_dtensors_as_torch() -> None:
+    for result in run_world(both, 2, vmap_program):
+        ours, theirs = result["ours"], result["torch"]
+        # values agree; placements may not: torch gathers the weight (output S(0)), our planner
+        # gathers the ids and keeps the vocab-sharded weight (output P(sum))
+        assert ours[0] == theirs[0]
+        torch.testing.assert_close(ours[1], theirs[1], rtol=0, atol=0)
