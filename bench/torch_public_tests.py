@@ -107,10 +107,18 @@ def rewrite_dotted(name: str) -> str:
     return name
 
 
+# `from torch.distributed.tensor import _random`: private names of a public module stay torch's
+_PRIVATE_FROM = re.compile(
+    r"^(\s*from\s+)(torch\.distributed\.(?:_tensor|tensor|device_mesh)[\w.]*)(\s+import\s+_)", re.M
+)
+
+
 def rewrite_imports(source: str) -> str:
     """The test file with only its module paths swapped to ours (harness included)."""
     source = source.replace(_HARNESS, _OUR_HARNESS)
+    source = _PRIVATE_FROM.sub(lambda m: m.group(1) + m.group(2).replace(".", "\0") + m.group(3), source)
     source = _DOTTED.sub(lambda m: rewrite_dotted(m.group(0)), source)
+    source = source.replace("\0", ".")  # the protected private imports, as they were
     # attribute uses such as `parallelisms.dtensor.ones(...)` need the package bound as a name
     lines = source.splitlines(keepends=True)
     for i, line in enumerate(lines):

@@ -153,6 +153,8 @@ class DTensor(torch.Tensor):
         placements: Sequence[Placement] | None = None,
         *,
         async_op: bool = False,
+        forward_dtype: torch.dtype | None = None,
+        backward_dtype: torch.dtype | None = None,
     ) -> DTensor:
         """Same global tensor with new placements (differentiable).
 
@@ -160,6 +162,9 @@ class DTensor(torch.Tensor):
         result's grad is moved back to our placements (e.g. a Partial grad is reduced).
         `async_op=True` returns before the last collective completes: the shard is waited for when
         an op first reads it (as torch's AsyncCollectiveTensor), so compute in between overlaps it.
+        `forward_dtype` casts before the collectives (they move that dtype) and is the result's
+        dtype; in backward the grad is cast to `backward_dtype` (default: our dtype) before its
+        collectives, and our grad always ends in our dtype (as torch).
         """
         spec = self._spec
         if device_mesh is not None and device_mesh != spec.mesh:
@@ -171,6 +176,9 @@ class DTensor(torch.Tensor):
             raise ValueError("redistribute() needs placements, e.g. [Replicate()] * mesh.ndim")
         target = normalize_placements(placements, self.ndim, spec.mesh.ndim, spec.mesh.shape)
         needs_grad = torch.is_grad_enabled() and self.requires_grad
+        if forward_dtype is not None or backward_dtype is not None:
+            check_target(spec, target)
+            return _CastRedistribute.apply(self, target, async_op, forward_dtype, backward_dtype)
         if target == spec.placements and not needs_grad:
             return self
         check_target(spec, target)
@@ -297,6 +305,37 @@ class Redistribute(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: DTensor) -> tuple[DTensor, None, None]:
         return redistribute_grad(grad, ctx.src_placements), None, None
+
+
+class _CastRedistribute(torch.autograd.Function):
+    """Redistribute with dtype casts around the collectives (redistribute's forward/backward_dtype)."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        input: DTensor,
+        dst_placements: tuple[Placement, ...],
+        async_op: bool,
+        forward_dtype: torch.dtype | None,
+        backward_dtype: torch.dtype | None,
+    ) -> DTensor:
+        ctx.src_placements, ctx.original_dtype = input._spec.placements, input.dtype
+        ctx.backward_dtype = backward_dtype or input.dtype
+        if forward_dtype is not None and forward_dtype != input.dtype:
+            input = cast(DTensor, input.to(forward_dtype))  # grad mode is off in forward: a plain DTensor op
+        if dst_placements == input._spec.placements:
+            return DTensor(input._local_tensor.view_as(input._local_tensor), input._spec, requires_grad=False)
+        local = redistribute_local(input._local_tensor, input._spec, dst_placements, async_op=async_op)
+        return DTensor(local, input._spec.with_placements(dst_placements))
+
+    @staticmethod
+    def backward(ctx, grad: DTensor) -> tuple[DTensor, None, None, None, None]:
+        if grad.dtype != ctx.backward_dtype:
+            grad = cast(DTensor, grad.to(ctx.backward_dtype))
+        grad = redistribute_grad(grad, ctx.src_placements)
+        if grad.dtype != ctx.original_dtype:
+            grad = cast(DTensor, grad.to(ctx.original_dtype))
+        return grad, None, None, None, None
 
 
 def redistribute_grad(grad: DTensor, placements: tuple[Placement, ...]) -> DTensor:

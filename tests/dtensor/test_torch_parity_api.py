@@ -231,3 +231,48 @@ def test_vmap_of_embedding_over_dtensors_as_torch() -> None:
         # gathers the ids and keeps the vocab-sharded weight (output P(sum))
         assert ours[0] == theirs[0]
         torch.testing.assert_close(ours[1], theirs[1], rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------------------------------
+# redistribute(forward_dtype=, backward_dtype=), Partial -> Partial gradients
+# --------------------------------------------------------------------------------------------------
+
+
+def dtype_and_partial_grad_program(name: str, dt, tp) -> dict[str, Any]:
+    from torch.distributed.tensor.debug import CommDebugMode as TorchCommDebugMode
+
+    from parallelisms.dtensor.debug import CommDebugMode
+
+    mesh = _mesh(name)
+    comm = CommDebugMode() if name == "ours" else TorchCommDebugMode()
+    casts = []
+    for forward, backward in ((torch.bfloat16, torch.float32), (None, torch.bfloat16), (torch.bfloat16, None)):
+        x = dt.distribute_tensor(torch.arange(12.0).view(4, 3).requires_grad_(), mesh, [dt.Shard(0)])
+        y = x.redistribute(mesh, [dt.Replicate()], forward_dtype=forward, backward_dtype=backward)
+        y.backward(torch.ones_like(y))
+        casts.append((y.dtype, y.to_local(), x.grad.dtype, x.grad.placements == (dt.Shard(0),), x.grad.to_local()))
+    same = dt.distribute_tensor(torch.ones(4, 3), mesh, [dt.Replicate()]).redistribute(
+        mesh, [dt.Replicate()], forward_dtype=torch.bfloat16
+    )
+    partial = dt.distribute_tensor(torch.ones(4, 3, requires_grad=True), mesh, [dt.Partial()])
+    with comm:
+        kept = partial.redistribute(mesh, [dt.Partial()])
+        kept.backward(dt.DTensor.from_local(torch.ones(4, 3), mesh, [dt.Partial()]))
+    return {
+        "casts": casts,
+        "same placements": (same.dtype, same.placements == (dt.Replicate(),)),
+        "partial grad": (partial.grad.placements == (dt.Partial(),), partial.grad.to_local(), comm.get_total_counts()),
+    }
+
+
+def test_redistribute_dtypes_and_partial_grads_follow_torch() -> None:
+    for result in run_world(both, 2, dtype_and_partial_grad_program):
+        ours, theirs = result["ours"], result["torch"]
+        for o, t in zip(ours["casts"], theirs["casts"]):
+            assert o[0] == t[0] and o[2] == t[2] == torch.float32 and o[3] and t[3]
+            torch.testing.assert_close(o[1], t[1], rtol=0, atol=0)
+            torch.testing.assert_close(o[4], t[4], rtol=0, atol=0)
+        assert ours["same placements"] == theirs["same placements"] == (torch.bfloat16, True)
+        assert ours["partial grad"][0] and theirs["partial grad"][0]
+        assert ours["partial grad"][2] == theirs["partial grad"][2] == 0
+        torch.testing.assert_close(ours["partial grad"][1], theirs["partial grad"][1], rtol=0, atol=0)

@@ -195,6 +195,9 @@ def like(call: OpCall) -> Sharding:
     return Sharding((None,) * len(call.specs), (placements,))
 
 
+_PARTIAL_SAFE_FACTORIES = (aten.new_empty.default, aten.new_empty_strided.default, aten.new_zeros.default)
+
+
 @register(
     aten.new_zeros.default,
     aten.new_ones.default,
@@ -203,25 +206,28 @@ def like(call: OpCall) -> Sharding:
     aten.new_empty_strided.default,
 )
 def new_factory(call: OpCall) -> list[Sharding]:
-    """`x.new_zeros(size)` makes a new global tensor of `size`: Replicate, or x's shards when `size`
-    is x's shape and x is not Partial (the local call then gets this rank's shape); x is not read.
+    """`x.new_zeros(size)` makes a new global tensor of `size`: Replicate, or x's placements when
+    `size` is x's shape (the local call then gets this rank's shape); x is not read.
 
-    new_empty_strided keeps the shards only for dense strides: the shard gets dense strides of its
-    own shape in the same dim order (as torch), so the DTensor's strides agree with its shard's.
+    A Partial x passes its placements only to new_empty / new_empty_strided (any values will do)
+    and new_zeros (zero pieces reduce to zero under every reduce op), as torch keeps them: the grad
+    buffers autograd allocates like a Partial leaf then take a Partial grad without a reduction.
+    new_empty_strided keeps the placements only for dense strides: the shard gets dense strides of
+    its own shape in the same dim order (as torch), so the DTensor's strides agree with its shard's.
     """
     self, size = call.args[0], tuple(call.args[1])
     keep = (None,) * len(call.specs)
-    options = [Sharding(keep, ((R,) * call.mesh_ndim,))]
-    if size != tuple(self.shape) or self.has_partial():
-        return options
+    replicate = Sharding(keep, ((R,) * call.mesh_ndim,))
+    if size != tuple(self.shape) or (self.has_partial() and call.op not in _PARTIAL_SAFE_FACTORIES):
+        return [replicate]
     if call.op is aten.new_empty_strided.default:
-        if is_dense(size, call.args[2]):
-            local_args = (self, LOCAL_SHAPE, LOCAL_STRIDE, *call.args[3:])
-            options.append(Sharding(keep, (self.placements,), local_args=local_args))
-        return options
-    local_args = (self, LOCAL_SHAPE, *call.args[2:])
-    options.append(Sharding(keep, (self.placements,), local_args=local_args))
-    return options
+        if not is_dense(size, call.args[2]):
+            return [replicate]
+        local_args = (self, LOCAL_SHAPE, LOCAL_STRIDE, *call.args[3:])
+    else:
+        local_args = (self, LOCAL_SHAPE, *call.args[2:])
+    # x's placements first: on a tie (a Partial x: same local size) the planner keeps the first
+    return [Sharding(keep, (self.placements,), local_args=local_args), replicate]
 
 
 @register(aten.copy_.default, aten.copy.default)
