@@ -12,8 +12,12 @@ revision (`--git-dir DIR --rev v2.13.0`). Each chosen file is copied into a temp
   torch's. The test harness `common_dtensor` builds meshes and models from the public names too,
   so `ours/` gets a copy of it with the same rewrite, and the tests import that copy.
 
-Both sides run under pytest (CPU, gloo), one file at a time. The report lists per-file pass counts,
-the tests that pass on torch but fail on ours (skip list below excluded), and one JSON line.
+Both sides run under pytest (CPU, gloo), one file at a time, with the per-test ranks forked rather
+than spawned (`--spawn` for torch's own way; only the process start differs). torch's outcomes are
+cached per file source, -k and torch version (`--cache`, `--refresh`). Tests of a continuous class
+that torch's harness skips after an earlier failure are run again on their own. The report lists
+per-file pass counts, the tests that pass on torch but fail on ours, the tests not counted (SKIPS:
+torch internals, with the reason), and one JSON line.
 
     python bench/torch_public_tests.py --src ~/pytorch
     python bench/torch_public_tests.py --src ~/pytorch --files test_init.py -k zeros
