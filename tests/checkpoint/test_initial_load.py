@@ -27,7 +27,8 @@ def _saved(tmp_path: Path) -> tuple[Transformer, Path]:
 
 def _manager(tmp_path: Path, model: Transformer, initial: Path) -> CheckpointManager:
     meta = {"model_args": dataclasses.asdict(model.model_args)}
-    return CheckpointManager(tmp_path / "job", {"model": ModelState(model)}, initial_load_path=str(initial), metadata=meta)
+    states = {"model": ModelState(model)}
+    return CheckpointManager(tmp_path / "job", states, initial_load_path=str(initial), metadata=meta)
 
 
 def test_a_fresh_job_starts_from_the_initial_weights(tmp_path: Path) -> None:

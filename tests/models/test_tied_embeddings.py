@@ -76,7 +76,9 @@ def test_tied_model_trains_like_one_process(layout: str, one_process: dict[str, 
         assert got["tied"], (layout, rank)
         torch.testing.assert_close(got["losses"], one_process["losses"], rtol=1e-5, atol=1e-5)
         for name, want in one_process["weights"].items():  # type: ignore[attr-defined]
-            torch.testing.assert_close(got["weights"][name], want, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+            torch.testing.assert_close(
+                got["weights"][name], want, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}"
+            )
 
 
 def _shard_the_tied_weight_twice() -> str:
