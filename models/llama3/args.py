@@ -77,50 +77,22 @@ class TransformerModelArgs:
         return self.dim // self.n_heads
 
 
+# Llama 3.1's RoPE scaling (x8 for 128K context): torchtitan's 8B/70B/405B use it too, and Llama 3.1
+# weights (and `convert from-hf` of them) compute the published logits only with it
+_LLAMA_3_1_ROPE = RoPEScalingArgs()
+
+# fmt: off
 llama3_configs: dict[str, TransformerModelArgs] = {
     "debugmodel": TransformerModelArgs(dim=256, n_layers=6, n_heads=16, vocab_size=2048, rope_theta=500000),
-    # Llama 3.2 1B: tied embeddings, RoPE scaled for 128K context (factor 32)
-    "1B": TransformerModelArgs(
-        dim=2048,
-        n_layers=16,
-        n_heads=32,
-        n_kv_heads=8,
-        ffn_dim_multiplier=1.5,
-        multiple_of=256,
-        rope_theta=500000,
-        rope_scaling=RoPEScalingArgs(scaling_factor=32.0),
-        tie_word_embeddings=True,
-    ),  # fmt: skip
-    # Llama 3.1 8B / 70B / 405B (as torchtitan's): RoPE scaled x8 for 128K context, so Llama 3.1
-    # weights (and `convert from-hf` of them) compute the published logits
-    "8B": TransformerModelArgs(
-        dim=4096,
-        n_layers=32,
-        n_heads=32,
-        n_kv_heads=8,
-        ffn_dim_multiplier=1.3,
-        multiple_of=1024,
-        rope_theta=500000,
-        rope_scaling=RoPEScalingArgs(),
-    ),  # fmt: skip
-    "70B": TransformerModelArgs(
-        dim=8192,
-        n_layers=80,
-        n_heads=64,
-        n_kv_heads=8,
-        ffn_dim_multiplier=1.3,
-        multiple_of=4096,
-        rope_theta=500000,
-        rope_scaling=RoPEScalingArgs(),
-    ),  # fmt: skip
-    "405B": TransformerModelArgs(
-        dim=16384,
-        n_layers=126,
-        n_heads=128,
-        n_kv_heads=8,
-        ffn_dim_multiplier=1.2,
-        multiple_of=4096,
-        rope_theta=500000,
-        rope_scaling=RoPEScalingArgs(),
-    ),
+    # Llama 3.2 1B: tied embeddings, RoPE scaled x32 (its config.json's factor)
+    "1B": TransformerModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5, multiple_of=256,
+                               rope_theta=500000, rope_scaling=RoPEScalingArgs(scaling_factor=32.0),
+                               tie_word_embeddings=True),
+    "8B": TransformerModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3,
+                               multiple_of=1024, rope_theta=500000, rope_scaling=_LLAMA_3_1_ROPE),
+    "70B": TransformerModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3,
+                                multiple_of=4096, rope_theta=500000, rope_scaling=_LLAMA_3_1_ROPE),
+    "405B": TransformerModelArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim_multiplier=1.2,
+                                 multiple_of=4096, rope_theta=500000, rope_scaling=_LLAMA_3_1_ROPE),
 }
+# fmt: on
