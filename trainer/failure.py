@@ -45,15 +45,15 @@ def claim_first_failure(rank: int, summary: str) -> tuple[int, str] | None:
 
 
 def report_failure(error: Exception) -> NoReturn:
-    """Call in an `except` block under torchelastic. Never returns: exits the process with 1.
+    """Call in an `except` block under torchelastic, in a joined world. Never returns: exits with 1.
 
     Exits without the normal teardown: a failed rank's peers may sit in collectives that will never
     complete, and destroying its process groups could wait on them. Committed checkpoints are safe
     (a save commits by rename); an interrupted one is removed at the next start.
     """
-    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    rank = dist.get_rank()
     summary = f"{type(error).__name__}: {error}".splitlines()[0][:500]
-    first = claim_first_failure(rank, summary) if dist.is_initialized() else (rank, summary)
+    first = claim_first_failure(rank, summary)
     if first is not None and first[0] == rank:
         logger.error("rank %d failed: %s", rank, summary)
         ErrorHandler().record_exception(error)  # the traceback, printed once by trainer.launch / torchrun

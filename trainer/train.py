@@ -23,7 +23,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.optim.lr_scheduler import LambdaLR
@@ -42,6 +41,7 @@ from .config import Comm, JobConfig, Parallelism, load_config, save_config, to_t
 from .data import TokenBatches, build_data_loader
 from .dump_folder import lock_dump_folder
 from .failure import report_failure, under_torchelastic
+from .loss import IGNORE_INDEX, token_loss_sum
 from .lr_schedule import build_lr_scheduler
 from .metrics import MetricsLogger, flops_per_token
 from .optim import build_optimizer
@@ -153,9 +153,6 @@ def reduce_loss(loss: torch.Tensor, parallel_dims: ParallelDims, world_mesh: Dev
     return loss.item()
 
 
-IGNORE_INDEX = -100  # cross_entropy's default: such targets count neither in the loss nor in its divisor
-
-
 @dataclass(frozen=True)
 class StepResult:
     loss: torch.Tensor  # this rank's share of the global mean token loss (averaging over dp gives it)
@@ -178,14 +175,11 @@ class NonfiniteWatch:
     def check(self) -> None:
         first = int(self.first.item())
         if first:
-            raise nonfinite_error(first, "the gradient norm is not finite")
-
-
-def nonfinite_error(step: int, what: str) -> FloatingPointError:
-    return FloatingPointError(
-        f"step {step}: {what} (a non-finite loss or gradient); lower optimizer.lr or raise "
-        f"lr_scheduler.warmup_steps, or set training.skip_nonfinite_steps=true to skip such steps"
-    )
+            raise FloatingPointError(
+                f"step {first}: the gradient norm is not finite (a non-finite loss or gradient); lower "
+                f"optimizer.lr or raise lr_scheduler.warmup_steps, or set training.skip_nonfinite_steps=true "
+                f"to skip such steps"
+            )
 
 
 def global_target_count(
@@ -228,13 +222,7 @@ def train_step(
         # a fresh context per micro-batch (a generator context cannot be entered twice); the backward
         # too runs inside loss_parallel, as torch requires
         with loss_parallel() if use_loss_parallel else contextlib.nullcontext():
-            amp = torch.autocast(inputs.device.type, autocast) if autocast else contextlib.nullcontext()
-            with amp:
-                logits = model(inputs)  # (B, T, V)   S(-1) under loss parallelism
-            token_sum = F.cross_entropy(
-                logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum", ignore_index=IGNORE_INDEX
-            )  # (B*T, V) vs (B*T,)
-            loss = token_sum * scale
+            loss = token_loss_sum(model, inputs, labels, autocast=autocast) * scale
             loss.backward()
         total = loss.detach() if total is None else total + loss.detach()
     assert total is not None, "a step needs at least one micro-batch"
@@ -314,13 +302,11 @@ def autocast_dtype(cfg: JobConfig, runtime: Runtime) -> torch.dtype | None:
 
 
 def precision_summary(cfg: JobConfig, runtime: Runtime) -> str:
-    param_dtype, reduce_dtype = compute_dtypes(cfg, runtime.device)
-    if param_dtype is None:
+    if compute_dtypes(cfg, runtime.device)[0] is None:
         where = "" if runtime.device.type == "cuda" else " (the CPU ignores training.mixed_precision_*)"
         return f"float32{where}"
-    name = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
-    how = "autocast" if autocast_dtype(cfg, runtime) else f"FSDP params, {name[reduce_dtype]} reduce"  # type: ignore[index]
-    return f"mixed precision {name[param_dtype]} ({how})"
+    how = "autocast" if autocast_dtype(cfg, runtime) else f"FSDP params, {cfg.training.mixed_precision_reduce} reduce"
+    return f"mixed precision {cfg.training.mixed_precision_param} ({how})"
 
 
 def build_model_and_optimizer(

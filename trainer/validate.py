@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from parallelisms.dtensor import DeviceMesh, DTensor, Partial
@@ -42,12 +41,12 @@ from .data import (
     load_tokens,
     local_documents,
 )
+from .loss import IGNORE_INDEX, token_loss_sum
 from .tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
 VALIDATION_CORPUS_PATH = CORPUS_PATH.parent / "validation.txt"
-IGNORE_INDEX = -100  # the trainer's (cross_entropy's default): padded rows' targets count nowhere
 
 
 class ScalarWriter(Protocol):
@@ -136,11 +135,7 @@ def evaluate(
         for inputs, labels in batches:
             inputs, labels = inputs.to(device), labels.to(device)
             with loss_parallel() if use_loss_parallel else contextlib.nullcontext():  # one-shot: one per batch
-                with torch.autocast(device.type, autocast) if autocast else contextlib.nullcontext():
-                    logits = model(inputs)  # (B, T, V)   S(-1) under loss parallelism
-                token_sum = F.cross_entropy(
-                    logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum", ignore_index=IGNORE_INDEX
-                )  # (B*T, V) vs (B*T,)
+                token_sum = token_loss_sum(model, inputs, labels, autocast=autocast)
             if isinstance(token_sum, DTensor):
                 token_sum = token_sum.full_tensor()
             totals += torch.stack([token_sum.double(), (labels != IGNORE_INDEX).sum().double()])

@@ -147,9 +147,7 @@ class Transformer(nn.Module):
         # a ModuleDict keyed "0".."n-1" keeps FQNs stable when blocks are removed (pipeline stages)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        if args.tie_word_embeddings:
-            self.tie_weights()
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)  # tied by init_weights when args say so
         # derived from args, so not saved in checkpoints
         self.register_buffer("freqs_cis", self._precompute_freqs_cis(), persistent=False)
         self.init_weights()

@@ -1,0 +1,25 @@
+"""The token loss training and validation share: summed, not averaged, so the caller divides by
+the global target count (a mean of per-batch means would weigh short batches too much)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+IGNORE_INDEX = -100  # cross_entropy's default: such targets count neither in the loss nor in its divisor
+
+
+def token_loss_sum(
+    model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, *, autocast: torch.dtype | None = None
+) -> torch.Tensor:
+    """Sum of the token cross-entropies of `model(inputs)` against `labels` (ignore_index
+    excluded), in float32; the forward under torch.autocast in `autocast` when given (mixed
+    precision without FSDP). Under loss_parallel the logits are vocabulary-sharded and so is this."""
+    with torch.autocast(inputs.device.type, autocast) if autocast else contextlib.nullcontext():
+        logits = model(inputs)  # (B, T, V)   S(-1) under loss parallelism
+    return F.cross_entropy(
+        logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum", ignore_index=IGNORE_INDEX
+    )  # (B*T, V) vs (B*T,)
