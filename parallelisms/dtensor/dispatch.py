@@ -2,7 +2,8 @@
 local op -> wrap.
 
 The steady state of an op is one pass over its args building the cache key and the local args, a
-dict lookup, the local op, and wrapping the outputs. A cache miss asks planning.build_plan (the
+dict lookup, the local op (through its cheapest Python binding, fast_call.py), and wrapping the
+outputs. A cache miss asks planning.build_plan (the
 rule, the cheapest Sharding, the output metadata) and stores the plan after its first run, whose
 local outputs show how their kernel lays them out (`_cache_plan`).
 
@@ -23,12 +24,13 @@ import torch
 from torch._ops import OpOverload
 
 from .device_mesh import DeviceMesh
-from .dtensor import DTensor, reduced_local
+from .dtensor import DTensor
+from .fast_call import fast_call
 from .ops import random as random_ops
 from .ops.registry import ScalarTensor, iter_flat
 from .placements import Placement, Replicate
 from .planning import Plan, PlanCache, build_plan
-from .redistribute import conform_layout, layout_mismatch, plan_transitions
+from .redistribute import conform_layout, layout_mismatch, plan_transitions, redistribute_local
 from .spec import DTensorSpec, TensorMeta
 
 logger = logging.getLogger(__name__)
@@ -49,22 +51,18 @@ OPTIONS = DispatchOptions()
 
 
 def dispatch(op: OpOverload, args: tuple, kwargs: dict | None) -> Any:
-    kwargs = kwargs or {}
     dtensors: list[DTensor] = []
-    key_args, local_args = _unwrap_all(op, args, dtensors)
+    key_args, local_args, floats = _unwrap_all(op, args, dtensors)
     if kwargs:
-        key_kwargs, local_kwargs = _unwrap_kwargs(op, args, kwargs, dtensors)
+        key_kwargs, local_kwargs, kw_floats = _unwrap_kwargs(op, args, kwargs, dtensors)
+        floats = floats or kw_floats
     else:
-        key_kwargs, local_kwargs = (), kwargs
-    key: tuple = (op, key_args, key_kwargs)
-    kind = _SCALAR_KIND.get(op)
-    if kind is None:
-        kind = _SCALAR_KIND[op] = _scalar_kind(op)
-    if kind:
-        key = _value_free_key(kind, key)
+        key_kwargs, local_kwargs = (), {}
     # Equal meshes of different roots (a second init_device_mesh) must not share plans: the outputs
     # would carry the first root's mesh (its groups), and fully_shard checks roots by identity.
-    key = (*key, id(dtensors[0]._spec.mesh._root) if dtensors else None)
+    key: tuple = (op, key_args, key_kwargs, id(dtensors[0]._spec.mesh._root) if dtensors else None)
+    if floats:
+        key = _value_free_key(key)
     try:
         plan = PLANS.plans.get(key)
     except TypeError:  # an unhashable static arg: decide without caching
@@ -73,22 +71,24 @@ def dispatch(op: OpOverload, args: tuple, kwargs: dict | None) -> Any:
     if plan is None:
         plan = _plan_miss(op, key_args, key_kwargs)  # planned on the values, cached by `key`
     if plan.redistributes:
-        local_args, local_kwargs = _redistribute_inputs(op, args, kwargs, dtensors, plan)
+        local_args, local_kwargs = _redistribute_inputs(op, args, kwargs or {}, dtensors, plan)
     if plan.plain:
-        out = op(*local_args, **local_kwargs)
+        fast = plan.fast
+        out = (fast or op)(*local_args, **local_kwargs)
     elif plan.decomposition is not None:  # its sub-ops dispatch (and wrap their outputs) themselves
         if fresh:
-            _cache_plan(key, plan, None)
-        return plan.decomposition(*args, **kwargs)
+            _cache_plan(key, plan, None, local_args, local_kwargs)
+        return plan.decomposition(*args, **(kwargs or {}))
     else:
         out = _run_special(op, plan, local_args, local_kwargs)
     if fresh:  # cache after the first run, whose local outputs show their kernel's layout
-        plan, out = _cache_plan(key, plan, out)
-    if plan.returns == "new":
+        plan, out = _cache_plan(key, plan, out, local_args, local_kwargs)
+    returns = plan.returns
+    if returns == "new":
         if type(out) is torch.Tensor:  # a tensor output always has a spec (None marks non-tensor outputs)
-            return DTensor(out, plan.output_specs[0])  # type: ignore[arg-type]
+            return DTensor._wrap(out, plan.output_specs[0])  # type: ignore[arg-type]
         return _wrap(out, plan.output_specs)
-    return args[0] if plan.returns == "self" else kwargs["out"]
+    return args[0] if returns == "self" else kwargs["out"]  # type: ignore[index]
 
 
 def _plan_miss(op: OpOverload, key_args: tuple, key_kwargs: tuple) -> Plan:
@@ -98,7 +98,7 @@ def _plan_miss(op: OpOverload, key_args: tuple, key_kwargs: tuple) -> Plan:
     return plan
 
 
-def _cache_plan(key: tuple, plan: Plan, out: Any) -> tuple[Plan, Any]:
+def _cache_plan(key: tuple, plan: Plan, out: Any, local_args: list, local_kwargs: dict) -> tuple[Plan, Any]:
     """Store `plan` after its first run, and make the local outputs agree with the global strides.
 
     Global strides come from the op on meta tensors, but a kernel may lay out its real output
@@ -107,6 +107,7 @@ def _cache_plan(key: tuple, plan: Plan, out: Any) -> tuple[Plan, Any]:
     `view` of a shard that needs a copy). The global strides must be the same on every rank (they
     decide which decomposition runs, and so which collectives), so the shard is the one to move:
     outputs laid out otherwise are copied into the global dim order, on this and later calls.
+    A plan that stays plain runs its later calls through the op's cheapest binding (fast_call.py).
     """
     if out is not None and plan.returns == "new" and not _aliases(key[0]):
         leaves = out if isinstance(out, (tuple, list)) else (out,)
@@ -118,6 +119,10 @@ def _cache_plan(key: tuple, plan: Plan, out: Any) -> tuple[Plan, Any]:
         if relayout:
             plan = dataclasses.replace(plan, relayout=relayout, plain=False)
             out = _relayout(out, plan)
+    if plan.plain and out is not None:
+        fast = fast_call(key[0], local_args, local_kwargs)
+        if fast is not None:
+            plan = dataclasses.replace(plan, fast=fast)
     PLANS.store(key, plan)
     return plan, out
 
@@ -235,20 +240,20 @@ def _scalar_kind(op: OpOverload) -> str:
     return ""
 
 
-def _value_free_key(kind: str, key: tuple) -> tuple:
-    op, key_args, key_kwargs = key
+def _value_free_key(key: tuple) -> tuple:
+    """`key` (of an op call with float args) with the floats replaced where its rule ignores them."""
+    op, key_args, key_kwargs, root = key
+    kind = _SCALAR_KIND.get(op)
+    if kind is None:
+        kind = _SCALAR_KIND[op] = _scalar_kind(op)
+    if not kind or any(_has_partial(a) for a in key_args):
+        return key
     if kind == "list":
         args = tuple(("scalars", len(a)) if type(a) is tuple and a and type(a[0]) is float else a for a in key_args)
-        if args == key_args or any(_has_partial(a) for a in key_args):
-            return key
-        return (op, args, key_kwargs)
-    if float not in map(type, key_args) and not any(type(v) is float for _, v in key_kwargs):
-        return key
-    if any(_has_partial(a) for a in key_args):
-        return key
+        return (op, args, key_kwargs, root)
     args = tuple(_FLOAT if type(a) is float else a for a in key_args)
     kwargs = tuple((n, _FLOAT if type(v) is float else v) for n, v in key_kwargs)
-    return (op, args, kwargs)
+    return (op, args, kwargs, root)
 
 
 def _has_partial(a: Any) -> bool:
@@ -264,34 +269,41 @@ _STATIC_TYPES = frozenset(
 )
 
 
-def _unwrap_all(op: OpOverload, args: tuple, dtensors: list[DTensor]) -> tuple[tuple, list]:
+def _unwrap_all(op: OpOverload, args: tuple, dtensors: list[DTensor]) -> tuple[tuple, list, bool]:
+    """The cache key's args, the local args, and whether a float (or a list of them) is among them."""
     keys: list[Any] = []
     locals_: list[Any] = []
+    floats = False
     for a in args:
-        if type(a) is DTensor:  # the common cases first, without the generic checks
+        t = type(a)
+        if t is DTensor:  # the common cases first, without the generic checks
             dtensors.append(a)
             keys.append(a._spec)
             locals_.append(a._local_tensor)
-        elif type(a) in _STATIC_TYPES:
+        elif t in _STATIC_TYPES:
+            floats = floats or t is float
             keys.append(a)
             locals_.append(a)
-        elif type(a) is list and _INT.issuperset(map(type, a)):  # sizes: view(8, 4, 4), sum([0])
+        elif t is list and _INT.issuperset(map(type, a)):  # sizes: view(8, 4, 4), sum([0])
             keys.append(tuple(a))
             locals_.append(a)
         else:
             k, local = _unwrap_one(op, a, dtensors, (args, {}))
+            floats = floats or (type(k) is tuple and bool(k) and type(k[0]) is float)
             keys.append(k)
             locals_.append(local)
-    return tuple(keys), locals_
+    return tuple(keys), locals_, floats
 
 
-def _unwrap_kwargs(op: OpOverload, args: tuple, kwargs: dict, dtensors: list[DTensor]) -> tuple[tuple, dict]:
+def _unwrap_kwargs(op: OpOverload, args: tuple, kwargs: dict, dtensors: list[DTensor]) -> tuple[tuple, dict, bool]:
     keys, locals_ = [], {}
+    floats = False
     for name, a in kwargs.items():
         k, local = _unwrap_one(op, a, dtensors, (args, kwargs))
+        floats = floats or type(k) is float
         keys.append((name, k))
         locals_[name] = local
-    return tuple(keys), locals_
+    return tuple(keys), locals_, floats
 
 
 def _redistribute_inputs(op: OpOverload, args: tuple, kwargs: dict, dtensors: list[DTensor], plan: Plan):
@@ -302,7 +314,7 @@ def _redistribute_inputs(op: OpOverload, args: tuple, kwargs: dict, dtensors: li
             continue
         if DEBUG:
             _log_redistribute(op, i, dt._spec, target)
-        new_locals[id(dt)] = new_locals[id(dt._local_tensor)] = reduced_local(dt, target)
+        new_locals[id(dt)] = new_locals[id(dt._local_tensor)] = redistribute_local(dt._local_tensor, dt._spec, target)
 
     def local_of(a: Any) -> Any:
         if isinstance(a, DTensor):

@@ -24,14 +24,15 @@ from .placements import Partial, Placement, Replicate, Shard, _StridedShard, app
 from .redistribute import check_target, conform_layout, partition_value, redistribute_local
 from .spec import DTensorSpec, TensorMeta
 
+_make_wrapper = torch.Tensor._make_wrapper_subclass
+
 
 class DTensor(torch.Tensor):
     """A global tensor sharded, replicated or partially reduced over a DeviceMesh."""
 
     _local_tensor: torch.Tensor
     _spec: DTensorSpec
-    _reduced: tuple | None  # see reduced_local
-    __slots__ = ("_local_tensor", "_spec", "_reduced")
+    __slots__ = ("_local_tensor", "_spec")
 
     @staticmethod
     def __new__(cls, local_tensor: torch.Tensor, spec: DTensorSpec, *, requires_grad: bool = False) -> DTensor:
@@ -48,7 +49,23 @@ class DTensor(torch.Tensor):
         )
         r._local_tensor = local_tensor
         r._spec = spec
-        r._reduced = None
+        return r
+
+    @staticmethod
+    def _wrap(local_tensor: torch.Tensor, spec: DTensorSpec) -> DTensor:
+        """`DTensor(local_tensor, spec)` for the dispatcher's outputs (strided, never requiring grad:
+        autograd wraps them itself), without the keywords that hold their defaults: each keyword
+        _make_wrapper_subclass parses costs on every op."""
+        meta, device = spec.tensor_meta, local_tensor.device
+        offset = local_tensor.storage_offset()
+        if offset:
+            r = _make_wrapper(
+                DTensor, meta.shape, strides=meta.stride, storage_offset=offset, dtype=meta.dtype, device=device
+            )
+        else:
+            r = _make_wrapper(DTensor, meta.shape, strides=meta.stride, dtype=meta.dtype, device=device)
+        r._local_tensor = local_tensor
+        r._spec = spec
         return r
 
     # torch's stub types this C function without the class argument it is called with (torch's
@@ -184,11 +201,7 @@ class DTensor(torch.Tensor):
         check_target(spec, target)
         if needs_grad:  # even to the same placements: backward moves the grad back to ours (as torch)
             return Redistribute.apply(self, target, async_op)
-        local = (
-            redistribute_local(self._local_tensor, spec, target, async_op=True)
-            if async_op
-            else reduced_local(self, target)
-        )
+        local = redistribute_local(self._local_tensor, spec, target, async_op=async_op)
         return DTensor(local, spec.with_placements(target))
 
     def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
@@ -263,33 +276,6 @@ class _ToLocal(torch.autograd.Function):
         spec: DTensorSpec = ctx.spec
         grad_spec = DTensorSpec(spec.mesh, ctx.grad_placements, TensorMeta(spec.shape, spec.stride, grad.dtype))
         return DTensor(conform_layout(grad, grad_spec), grad_spec), None
-
-
-_MEMO_NUMEL = 4096  # Partial tensors up to this many elements keep their reduction (scalars: norms, losses)
-
-
-def reduced_local(tensor: DTensor, target: tuple[Placement, ...]) -> torch.Tensor:
-    """`tensor`'s local shard moved to `target`; a small Partial tensor remembers the result.
-
-    A grad norm or a loss stays Partial until something needs its value, and then several things
-    do: clip_grad_norm_'s coefficient, then the logger's `full_tensor()`. Remembering the reduced
-    value on the DTensor makes the second read free (a copy of at most _MEMO_NUMEL elements, never
-    an alias of the first). The memo is keyed by the target and the
-    version counters of the shard, the DTensor and the reduced tensor, so any in-place change to
-    any of them (through the DTensor or behind its back) recomputes it.
-    """
-    local = tensor._local_tensor
-    if local.is_inference():  # no version counters to key a memo on
-        return redistribute_local(local, tensor._spec, target)
-    memo = tensor._reduced
-    if memo is not None:
-        key, reduced = memo
-        if key == (target, local._version, tensor._version, reduced._version):
-            return reduced.clone()  # two reads must not alias: a caller may write into its result
-    out = redistribute_local(local, tensor._spec, target)
-    if local.numel() <= _MEMO_NUMEL and tensor._spec.has_partial():
-        tensor._reduced = ((target, local._version, tensor._version, out._version), out)
-    return out
 
 
 class Redistribute(torch.autograd.Function):

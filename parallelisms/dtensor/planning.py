@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +53,7 @@ class Plan:
     plain: bool = True  # the local op is the op itself, on the op's own args (no special case)
     relayout: tuple[int, ...] = ()  # outputs whose kernel lays them out unlike their global strides
     decomposition: Decomposition | None = None  # run this on the op's own DTensor args instead (no rule)
+    fast: Callable[..., Any] | None = None  # a plain plan's local call, the op's cheapest binding (fast_call.py)
     note: str = ""  # how a plan without a rule runs, for the MESHTRAIN_DEBUG log
 
 

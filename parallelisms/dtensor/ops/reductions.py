@@ -22,9 +22,12 @@ Vector norms (linalg_vector_norm) are reductions whose pieces combine without mo
     ||x||_p over S(d) pieces, d reduced   -> P(norm<p>)   global = (sum_r ||x_r||_p ** p) ** (1/p)
     p = 1 (and 0: count of non-zeros)     -> P(sum)
     p = inf / -inf                        -> P(max) / P(min)   (no piece may be empty: max() of none)
-    ||.||_p of P(norm<p>) pieces          -> P(norm<p>)        (the same sum of p-th powers)
+    ||.||_p of P(norm<p>) pieces          -> R, reduced first  (as torch)
 
-P(norm<p>) is reduced by all_reduce(sum) of x**p and a p-th root (collectives.py).
+P(norm<p>) is reduced by all_reduce(sum) of x**p and a p-th root (collectives.py). A norm of
+P(norm<p>) norms could stay P(norm<p>) (the same sum of p-th powers), but such a norm is read
+more than once (clip_grad_norm_'s total norm: its clip coefficient, then the log), and every read
+of a Partial value reduces it: reducing once here, as torch does, is the cheaper plan.
 """
 
 from __future__ import annotations
@@ -270,8 +273,7 @@ def vector_norm_candidates(spec: DTensorSpec, ord: Any, dims: Sequence[int] | No
     ord = float(ord)
     dims = tuple(range(spec.ndim)) if not dims else tuple(sorted(d % spec.ndim for d in dims))
     becomes = norm_partial(ord)
-    passes = (becomes,) if becomes and becomes.startswith("norm") else ()  # ||.|| of P(norm<p>) pieces
-    return [(out, (inp,)) for inp, out in reduction_candidates(spec, becomes, passes, dims, keepdim)]
+    return [(out, (inp,)) for inp, out in reduction_candidates(spec, becomes, (), dims, keepdim)]
 
 
 @register(aten.linalg_vector_norm.default)
