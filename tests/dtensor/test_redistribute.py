@@ -239,7 +239,9 @@ def test_redistribute_matches_torch_fp32_world4():
 
 
 def test_redistribute_matches_torch_fp32_world8():
-    _run_matrix(8, "float32", 1)
+    # every mesh and shape of 8 ranks, half of the (src, dst) pairs (the other half in turn per
+    # shape): the full matrix takes 70 s of 8 processes on 2 cores
+    _run_matrix(8, "float32", 2)
 
 
 def test_redistribute_matches_torch_bf16_world4():
