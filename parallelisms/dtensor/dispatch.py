@@ -48,6 +48,8 @@ class DispatchOptions:
 
 PLANS = PlanCache()
 OPTIONS = DispatchOptions()
+_cached = PLANS.plans.get  # bound once: the lookup of every op (PLANS.plans is never replaced)
+_wrap_one = DTensor._wrap
 
 
 def dispatch(op: OpOverload, args: tuple, kwargs: dict | None) -> Any:
@@ -64,9 +66,11 @@ def dispatch(op: OpOverload, args: tuple, kwargs: dict | None) -> Any:
     if floats:
         key = _value_free_key(key)
     try:
-        plan = PLANS.plans.get(key)
+        plan = _cached(key)
     except TypeError:  # an unhashable static arg: decide without caching
         plan = None
+    if plan is not None and plan.steady:  # the steady state: the local op, one output to wrap
+        return _wrap_one(plan.fast(*local_args, **local_kwargs), plan.output_specs[0])  # type: ignore[misc]
     fresh = plan is None
     if plan is None:
         plan = _plan_miss(op, key_args, key_kwargs)  # planned on the values, cached by `key`
@@ -86,7 +90,7 @@ def dispatch(op: OpOverload, args: tuple, kwargs: dict | None) -> Any:
     returns = plan.returns
     if returns == "new":
         if type(out) is torch.Tensor:  # a tensor output always has a spec (None marks non-tensor outputs)
-            return DTensor._wrap(out, plan.output_specs[0])  # type: ignore[arg-type]
+            return _wrap_one(out, plan.output_specs[0])  # type: ignore[arg-type]
         return _wrap(out, plan.output_specs)
     return args[0] if returns == "self" else kwargs["out"]  # type: ignore[index]
 
@@ -122,7 +126,8 @@ def _cache_plan(key: tuple, plan: Plan, out: Any, local_args: list, local_kwargs
     if plan.plain and out is not None:
         fast = fast_call(key[0], local_args, local_kwargs)
         if fast is not None:
-            plan = dataclasses.replace(plan, fast=fast)
+            steady = not plan.redistributes and plan.returns == "new" and type(out) is torch.Tensor
+            plan = dataclasses.replace(plan, fast=fast, steady=steady)
     PLANS.store(key, plan)
     return plan, out
 
@@ -263,7 +268,6 @@ def _has_partial(a: Any) -> bool:
     return type(a) is tuple and any(type(x) is DTensorSpec and x._partial for x in a)
 
 
-_INT = frozenset({int})
 _STATIC_TYPES = frozenset(
     {int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout}
 )
@@ -284,7 +288,7 @@ def _unwrap_all(op: OpOverload, args: tuple, dtensors: list[DTensor]) -> tuple[t
             floats = floats or t is float
             keys.append(a)
             locals_.append(a)
-        elif t is list and _INT.issuperset(map(type, a)):  # sizes: view(8, 4, 4), sum([0])
+        elif t is list and (not a or type(a[0]) is int):  # sizes: view(8, 4, 4), sum([0]) (typed lists)
             keys.append(tuple(a))
             locals_.append(a)
         else:

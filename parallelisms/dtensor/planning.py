@@ -54,6 +54,7 @@ class Plan:
     relayout: tuple[int, ...] = ()  # outputs whose kernel lays them out unlike their global strides
     decomposition: Decomposition | None = None  # run this on the op's own DTensor args instead (no rule)
     fast: Callable[..., Any] | None = None  # a plain plan's local call, the op's cheapest binding (fast_call.py)
+    steady: bool = False  # `fast` on the args as they are, one tensor output: dispatch's shortest path
     note: str = ""  # how a plan without a rule runs, for the MESHTRAIN_DEBUG log
 
 
