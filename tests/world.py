@@ -20,10 +20,12 @@ import faulthandler
 import multiprocessing as mp
 import os
 import pickle
+import queue
 import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -58,8 +60,8 @@ def _die_with_parent(parent_pid: int) -> None:
     # PR_SET_PDEATHSIG makes the kernel SIGKILL us when the parent dies, even by SIGKILL,
     # so a crashed pytest never leaves ranks behind. The getppid check closes the race
     # where the parent died before the prctl call; _rank_main also polls getppid as backup.
-    # Caveat: it fires when the *thread* that forked exits, so build worlds on the main
-    # thread (pytest does); a world forked from a short-lived thread dies with it.
+    # Caveat: it fires when the *thread* that forked exits; worlds fork from _FORKER's thread,
+    # which lives for the session (a world forked from a short-lived thread would die with it).
     if sys.platform.startswith("linux"):
         try:
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
@@ -119,6 +121,40 @@ def _rank_main(rank: int, size: int, backend: str, store_file: str, port: int,
     dist.destroy_process_group()
 
 
+class _ShallowForker:
+    """Starts rank processes from one thread with a shallow stack, alive for the session.
+
+    A forked child keeps the stack of the thread that forked it: from pytest's main thread that
+    is ~70 frames, and rank code that formats the stack pays for every one of them on each call
+    (torch.manual_seed records three tracebacks for torch.cuda/xpu/mtia's lazy init; OpInfo's
+    sample generators call inspect.stack()), which made the OpInfo sweep 4x slower. The thread
+    lives as long as the worlds do: PR_SET_PDEATHSIG kills the ranks when it exits.
+    """
+
+    def __init__(self) -> None:
+        self._jobs: queue.Queue = queue.Queue()
+        threading.Thread(target=self._serve, name="world-forker", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            job, answer = self._jobs.get()
+            try:
+                answer.put((True, job()))
+            except BaseException as e:  # re-raised on the caller's thread
+                answer.put((False, e))
+
+    def run(self, job: Callable[[], T]) -> T:
+        answer: queue.Queue = queue.Queue(maxsize=1)
+        self._jobs.put((job, answer))
+        ok, value = answer.get()
+        if not ok:
+            raise value
+        return value
+
+
+_FORKER = _ShallowForker()
+
+
 class World:
     """``world_size`` rank processes with an initialized default process group."""
 
@@ -138,7 +174,10 @@ class World:
             p = ctx.Process(target=_rank_main, name=f"world{world_size}-rank{rank}", daemon=True,
                             args=(rank, world_size, backend, self._store_file, port, child_conn,
                                   timeout, os.getpid()))
-            p.start()
+            if backend == "nccl":
+                p.start()
+            else:
+                _FORKER.run(p.start)
             # Close our copy so a dead rank reads as EOF, and later forks don't inherit it.
             child_conn.close()
             self._procs.append(p)
