@@ -127,6 +127,13 @@ class DeviceMesh:
     def get_all_groups(self) -> list[ProcessGroup]:
         return [self.get_group(i) for i in range(self.ndim)]
 
+    def _flattened_group(self, mesh_dims: Sequence[int]) -> ProcessGroup | None:
+        """The group of `mesh_dims` (ascending) taken as one dim, if the root flattened exactly
+        those dims; None otherwise. Redistribution runs one collective on it where torch's does."""
+        key = tuple(d for m in mesh_dims for d in self._root_dims[m])
+        ref = self._root._flat_groups.get(key)
+        return ref() if ref is not None else None
+
     def _missing_group(self, i: int) -> str:
         """Why mesh dim `i` has no process group, and the fix."""
         dim = repr(self.mesh_dim_names[i]) if self.mesh_dim_names else str(i)

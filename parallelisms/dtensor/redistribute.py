@@ -41,6 +41,7 @@ from .cost import (
     transition_kind,
 )
 from .device_mesh import DeviceMesh
+from .errors import ShardingError
 from .placements import (
     Partial,
     Placement,
@@ -215,10 +216,103 @@ def redistribute_local(
     if coordinate is None:  # off the mesh: no shard to move
         return local
     steps = plan_transitions(src, dst_placements)
+    if len(steps) > 1 and mesh._root._flat_groups:
+        return conform_layout(_run_fused(local, src, steps, coordinate, is_backward, async_op), src)
     for i, step in enumerate(steps):
         last = async_op and i == len(steps) - 1
         local = run_transition(local, step, mesh, coordinate[step.mesh_dim], is_backward=is_backward, async_op=last)
     return conform_layout(local, src)
+
+
+# ------------------------------------------------------------------------------------------------
+# Consecutive collectives of one kind fused over a flattened mesh (as torch's redistribute does)
+# ------------------------------------------------------------------------------------------------
+
+
+def _run_fused(
+    local: torch.Tensor,
+    src: DTensorSpec,
+    steps: tuple[Transition, ...],
+    coordinate: list[int],
+    is_backward: bool,
+    async_op: bool,
+) -> torch.Tensor:
+    """Run `steps`, doing each run of consecutive all-reduces (one reduce op), all-gathers of one
+    tensor dim (inner mesh dim first) or reduce-scatters to one tensor dim (outer first) as one
+    collective over the flattened mesh of their dims, when the root has flattened those dims.
+    A (P, P) -> (R, R) redistribution on an HSDP mesh with its `dp` flattened is one all-reduce."""
+    mesh = src.mesh
+    current = list(src.placements)
+    i = 0
+    while i < len(steps):
+        run = _fusable_run(steps, i)
+        dims = tuple(sorted(t.mesh_dim for t in run))
+        group = mesh._flattened_group(dims) if len(run) > 1 else None
+        last = async_op and i + len(run) == len(steps)
+        fused = None if group is None else _run_on_flat_group(local, src, run, current, coordinate, dims, group, last)
+        if fused is None:
+            run = run[:1]
+            step = run[0]
+            last = async_op and i + 1 == len(steps)
+            local = run_transition(local, step, mesh, coordinate[step.mesh_dim], is_backward=is_backward, async_op=last)
+        else:
+            local = fused
+        for t in run:
+            current[t.mesh_dim] = t.dst
+        i += len(run)
+    return local
+
+
+def _fusable_run(steps: tuple[Transition, ...], start: int) -> tuple[Transition, ...]:
+    """The longest run of steps from `start` that one collective over their mesh dims can do."""
+    first = steps[start]
+    if first.kind not in (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER) or is_strided((first.src, first.dst)):
+        return (first,)
+    run = [first]
+    for step in steps[start + 1 :]:
+        prev = run[-1]
+        if step.kind != first.kind or step.src != first.src or step.dst != first.dst:
+            break
+        if first.kind == ALL_GATHER and step.mesh_dim > prev.mesh_dim:  # gathers undo inner dims first
+            break
+        if first.kind == REDUCE_SCATTER and step.mesh_dim < prev.mesh_dim:  # scatters nest outer first
+            break
+        run.append(step)
+    return tuple(run)
+
+
+def _run_on_flat_group(
+    local: torch.Tensor,
+    src: DTensorSpec,
+    run: tuple[Transition, ...],
+    current: list[Placement],
+    coordinate: list[int],
+    dims: tuple[int, ...],
+    group: torch.distributed.ProcessGroup,
+    async_op: bool,
+) -> torch.Tensor | None:
+    """`run` as one collective on `group` (the flattened `dims`, row-major), or None for an uneven
+    reduce-scatter (its nested chunks need not be one chunking, and torch keeps it per mesh dim)."""
+    mesh_shape = src.mesh.shape
+    n = math.prod(mesh_shape[m] for m in dims)
+    first = run[0]
+    if first.kind == ALL_REDUCE:
+        return collectives.all_reduce(local, cast(Partial, first.src).reduce_op, group, n, async_op=async_op)
+    flat_coords = [list(coordinate) for _ in range(n)]
+    for j, coord in enumerate(flat_coords):
+        rest = j
+        for m in reversed(dims):
+            coord[m], rest = rest % mesh_shape[m], rest // mesh_shape[m]
+    if first.kind == ALL_GATHER:
+        dim = cast(Shard, first.src).dim
+        sizes = [local_shape_and_offset(src.shape, mesh_shape, c, current)[0][dim] for c in flat_coords]
+        return collectives.all_gather(local, dim, group, sizes, async_op=async_op)
+    dim = cast(Shard, first.dst).dim
+    if first.logical_shape[dim] % n:  # uneven: nested chunks need not be one chunking (torch too runs one per dim)
+        return None
+    index = flat_coords.index(list(coordinate))
+    reduce_op = cast(Partial, first.src).reduce_op
+    return collectives.reduce_scatter(local, dim, reduce_op, group, index, async_op=async_op)
 
 
 def conform_layout(local: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
@@ -310,8 +404,9 @@ def check_target(src: DTensorSpec, dst_placements: tuple[Placement, ...]) -> Non
     """Reject impossible targets before any communication (every rank raises the same error)."""
     for m, (s, d) in enumerate(zip(src.placements, dst_placements)):
         if isinstance(d, Partial) and s != d and not isinstance(s, Replicate):
-            raise ValueError(
-                f"cannot redistribute {s} to {d} on mesh dim {m} (placements "
+            # torch's words and error type (RuntimeError; ours is also the ValueError of a misuse)
+            raise ShardingError(
+                f"Can not redistribute from {s} to {d} on mesh dim {m} (placements "
                 f"{[str(p) for p in src.placements]} -> {[str(p) for p in dst_placements]}): only Replicate "
                 f"can become Partial; redistribute to Replicate() first"
             )
