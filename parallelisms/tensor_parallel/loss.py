@@ -4,18 +4,26 @@ Our `_log_softmax` and `nll_loss` rules (parallelisms/dtensor/ops/norms.py, loss
 sharded class dim sharded: the log-softmax all-reduces each row's max and sum of exponentials, and
 the shard that owns a row's target class contributes its loss (P(sum)). So unlike torch, the math
 needs no switch. What this context adds is torch's calling convention: the targets may be plain
-tensors (taken as replicated), so `F.cross_entropy(dtensor_logits, labels)` works as ported. As with
-torch, run the backward inside the context too.
+tensors (taken as replicated), so `F.cross_entropy(dtensor_logits, labels)` works as ported, and
+torch's input check: inside the context the logits must be sharded on their class dim by exactly
+one mesh dim, the other mesh dims Shard or Replicate (torch raises the same ValueError; gathering
+the vocabulary silently would defeat the point). As with torch, run the backward inside it too.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
+import torch
+import torch.nn.functional as F
 from torch.ops import aten
+from torch.overrides import TorchFunctionMode
 
+from ..dtensor import DTensor
 from ..dtensor.dispatch import plain_tensors_as_replicate
+from ..dtensor.placements import Placement
 
 LOSS_OPS = frozenset(
     {
@@ -26,8 +34,42 @@ LOSS_OPS = frozenset(
     }
 )
 
+# the functions whose input torch's loss_parallel checks, and where each finds the class dim
+_CLASS_DIM_ARG = {F.log_softmax: 1, torch.log_softmax: 1, torch.Tensor.log_softmax: 1}
+_CLASS_DIM_1 = (F.cross_entropy, F.nll_loss)
+
+
+def check_class_dim_sharded(placements: tuple[Placement, ...], dim: int) -> int:
+    """The mesh dim that shards tensor dim `dim`; ValueError (torch's) unless exactly one does and
+    the other mesh dims are Shard or Replicate."""
+    shard_mesh_dims = [i for i, p in enumerate(placements) if p.is_shard(dim)]
+    if len(shard_mesh_dims) != 1:
+        raise ValueError(
+            f"loss_parallel() requires exactly one mesh dim to shard tensor dimension {dim}, but got "
+            f"placements {placements} with {len(shard_mesh_dims)} such mesh dim(s); shard the logits on "
+            f"their class dim (e.g. ColwiseParallel(output_layouts=Shard(-1))) or call the loss outside loss_parallel()"
+        )
+    for i, p in enumerate(placements):
+        if i != shard_mesh_dims[0] and not (p.is_shard() or p.is_replicate()):
+            raise ValueError(f"loss_parallel() expects non-TP mesh dims to be Shard or Replicate, got {p} at dim {i}.")
+    return shard_mesh_dims[0]
+
+
+class _CheckLossInputs(TorchFunctionMode):
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        x = args[0] if args else kwargs.get("input")
+        if isinstance(x, DTensor) and (func in _CLASS_DIM_ARG or func in _CLASS_DIM_1):
+            if func in _CLASS_DIM_1:
+                dim = 1 if x.ndim >= 2 else 0
+            else:
+                dim = args[_CLASS_DIM_ARG[func]] if len(args) > 1 else kwargs.get("dim")
+            if isinstance(dim, int):
+                check_class_dim_sharded(x.placements, dim % max(x.ndim, 1))
+        return func(*args, **kwargs)
+
 
 @contextmanager
 def loss_parallel() -> Iterator[None]:
-    with plain_tensors_as_replicate(LOSS_OPS):
+    with plain_tensors_as_replicate(LOSS_OPS), _CheckLossInputs():
         yield
