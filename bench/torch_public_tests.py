@@ -15,9 +15,17 @@ revision (`--git-dir DIR --rev v2.13.0`). Each chosen file is copied into a temp
 Both sides run under pytest (CPU, gloo), one file at a time, with the per-test ranks forked rather
 than spawned (`--spawn` for torch's own way; only the process start differs). torch's outcomes are
 cached per file source, -k and torch version (`--cache`, `--refresh`). Tests of a continuous class
-that torch's harness skips after an earlier failure are run again on their own. The report lists
-per-file pass counts, the tests that pass on torch but fail on ours, the tests not counted (SKIPS:
-torch internals, with the reason), and one JSON line.
+that torch's harness skips after an earlier failure are run again on their own. Tests of torch
+internals (SKIPS, with the reason) are not counted and, unless `--run-skipped`, not run. A stored
+test source a little newer than the installed torch may import a name torch 2.13 spells otherwise:
+the conftest adds only such missing names, the same on both sides. The report lists per-file pass
+counts, the tests that pass on torch but fail on ours, and one JSON line.
+
+The sources measured (see the report of the session that assembled them) come from the code index's
+copies of pytorch's test/distributed/tensor: test_api, test_init, test_dtensor, test_redistribute,
+test_tensor_ops, test_embedding_ops, debug/test_comm_mode, parallel/test_parallelize_api and
+parallel/test_tp_examples as stored, parallel/test_tp_style in a stored version that still runs on
+CPU (the newest is accelerator-only).
 
     python bench/torch_public_tests.py --src ~/pytorch
     python bench/torch_public_tests.py --src ~/pytorch --files test_init.py -k zeros
