@@ -191,6 +191,7 @@ def _unwrap_one(op: OpOverload, a: Any, dtensors: list[DTensor], call: tuple[tup
             a.numel() == 1
             or OPTIONS.implicit_replication
             or op in OPTIONS.plain_as_replicate
+            or op in _SHAPE_ONLY
             or torch._C._get_dtensor_allow_implicit_replication()
         ):
             # single-element tensors count as replicated, as in torch (a tensor lr in fused AdamW);
@@ -216,6 +217,11 @@ def _unwrap_one(op: OpOverload, a: Any, dtensors: list[DTensor], call: tuple[tup
                 return tuple(keys), list(locals_)
         return tuple(a), a
     return a, a
+
+
+# Ops that read only shapes: a plain tensor among their args is compared as it is (its global
+# shape is its shape), as torch's DTensor does (`torch.equal(dt, t)` asks is_same_size first).
+_SHAPE_ONLY = frozenset({torch.ops.aten.is_same_size.default})
 
 
 def _first_mesh(args: tuple, kwargs: dict) -> DeviceMesh:

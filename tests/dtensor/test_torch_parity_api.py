@@ -110,6 +110,26 @@ def test_equal_outside_the_mesh_reads_true_as_torch(world_size: int) -> None:
     assert all(r["ours"] == (True, False) for r in results)  # ranks 2, 3 learn the mesh's answer
 
 
+def same_size_program(name: str, dt, tp) -> list:
+    """is_same_size between a DTensor and a plain tensor compares global shapes (torch.equal asks it
+    first); an op without a rule raises torch's sentence."""
+    mesh = _mesh(name)
+    d = dt.DTensor.from_local(torch.ones(4, 3), mesh, [dt.Shard(0)])  # global (8, 3)
+    checks = [torch.ones(4, 3).is_same_size(d), torch.ones(8, 3).is_same_size(d), d.is_same_size(torch.ones(8, 3))]
+    try:
+        torch.linalg.cholesky(dt.distribute_tensor(torch.eye(4), mesh, [dt.Shard(0)]))
+        checks.append("no error")
+    except NotImplementedError as e:
+        checks.append("does not have a sharding strategy registered" in str(e))
+    return checks
+
+
+def test_is_same_size_with_plain_tensors_and_missing_rule_message_follow_torch() -> None:
+    for result in run_world(both, 2, same_size_program):
+        assert result["ours"] == [False, True, True, True], result
+        assert result["torch"][:3] == result["ours"][:3], result
+
+
 # --------------------------------------------------------------------------------------------------
 # Shard._split_tensor, PrepareModuleInput's checks
 # --------------------------------------------------------------------------------------------------
