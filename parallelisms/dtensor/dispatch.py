@@ -70,7 +70,7 @@ def dispatch(op: OpOverload, args: tuple, kwargs: dict | None) -> Any:
     except TypeError:  # an unhashable static arg: decide without caching
         plan = None
     if plan is not None and plan.steady:  # the steady state: the local op, one output to wrap
-        return _wrap_one(plan.fast(*local_args, **local_kwargs), plan.output_specs[0])  # type: ignore[misc]
+        return _wrap_one(plan.fast(*local_args, **local_kwargs), plan.output_specs[0])  # type: ignore[arg-type, misc]
     fresh = plan is None
     if plan is None:
         plan = _plan_miss(op, key_args, key_kwargs)  # planned on the values, cached by `key`

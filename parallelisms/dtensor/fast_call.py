@@ -27,7 +27,7 @@ class _RecordOps(TorchDispatchMode):
         super().__init__()
         self.ops: list[OpOverload] = []
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops.append(func)
         return func(*args, **(kwargs or {}))
 
