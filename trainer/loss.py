@@ -9,17 +9,27 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from parallelisms.tensor_parallel import loss_parallel
+
 IGNORE_INDEX = -100  # cross_entropy's default: such targets count neither in the loss nor in its divisor
 
 
 def token_loss_sum(
-    model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, *, autocast: torch.dtype | None = None
+    model: nn.Module,
+    inputs: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    autocast: torch.dtype | None = None,
+    vocab_parallel: bool = False,
 ) -> torch.Tensor:
     """Sum of the token cross-entropies of `model(inputs)` against `labels` (ignore_index
     excluded), in float32; the forward under torch.autocast in `autocast` when given (mixed
-    precision without FSDP). Under loss_parallel the logits are vocabulary-sharded and so is this."""
+    precision without FSDP). With `vocab_parallel` the logits are vocabulary-sharded and the loss
+    runs under loss_parallel(), the model's forward not: that context checks every torch call made
+    inside it. Run the backward under loss_parallel() too, as torch requires."""
     with torch.autocast(inputs.device.type, autocast) if autocast else contextlib.nullcontext():
         logits = model(inputs)  # (B, T, V)   S(-1) under loss parallelism
-    return F.cross_entropy(
-        logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum", ignore_index=IGNORE_INDEX
-    )  # (B*T, V) vs (B*T,)
+    with loss_parallel() if vocab_parallel else contextlib.nullcontext():
+        return F.cross_entropy(
+            logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum", ignore_index=IGNORE_INDEX
+        )  # (B*T, V) vs (B*T,)

@@ -219,10 +219,10 @@ def train_step(
     for i, (inputs, labels) in enumerate(micro_batches):
         if accumulate and i in (0, len(micro_batches) - 1):  # off for the first, on for the last
             model.set_requires_gradient_sync(i > 0)  # type: ignore[operator]
-        # a fresh context per micro-batch (a generator context cannot be entered twice); the backward
-        # too runs inside loss_parallel, as torch requires
+        loss = token_loss_sum(model, inputs, labels, autocast=autocast, vocab_parallel=use_loss_parallel) * scale
+        # the backward too runs inside loss_parallel, as torch requires (a fresh context per
+        # micro-batch: a generator context cannot be entered twice)
         with loss_parallel() if use_loss_parallel else contextlib.nullcontext():
-            loss = token_loss_sum(model, inputs, labels, autocast=autocast) * scale
             loss.backward()
         total = loss.detach() if total is None else total + loss.detach()
     assert total is not None, "a step needs at least one micro-batch"

@@ -19,7 +19,6 @@ the same loss on any dp degree and batch size.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections.abc import Iterable, Iterator
@@ -30,7 +29,6 @@ import torch
 from torch import nn
 
 from parallelisms.dtensor import DeviceMesh, DTensor, Partial
-from parallelisms.tensor_parallel import loss_parallel
 
 from .data import (
     CORPUS_PATH,
@@ -134,8 +132,7 @@ def evaluate(
     try:
         for inputs, labels in batches:
             inputs, labels = inputs.to(device), labels.to(device)
-            with loss_parallel() if use_loss_parallel else contextlib.nullcontext():  # one-shot: one per batch
-                token_sum = token_loss_sum(model, inputs, labels, autocast=autocast)
+            token_sum = token_loss_sum(model, inputs, labels, autocast=autocast, vocab_parallel=use_loss_parallel)
             if isinstance(token_sum, DTensor):
                 token_sum = token_sum.full_tensor()
             totals += torch.stack([token_sum.double(), (labels != IGNORE_INDEX).sum().double()])

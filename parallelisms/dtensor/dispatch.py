@@ -41,7 +41,9 @@ DEBUG = os.environ.get("MESHTRAIN_DEBUG", "0") not in ("", "0")
 class DispatchOptions:
     """What the context managers below switch on for the ops dispatched inside them."""
 
-    plain_as_replicate: frozenset[OpOverload] = frozenset()  # plain_tensors_as_replicate(ops)
+    # plain_tensors_as_replicate(ops); always is_same_size, which reads only shapes (a plain
+    # tensor's global shape is its shape: torch.equal(dt, t) asks it first, as torch's DTensor)
+    plain_as_replicate: frozenset[OpOverload] = frozenset({torch.ops.aten.is_same_size.default})
     implicit_replication: bool = False  # experimental.implicit_replication(): every plain tensor is R
     replicate_fallback: bool = False  # replicate_fallback(): ops without a rule run on Replicate inputs
 
@@ -191,7 +193,6 @@ def _unwrap_one(op: OpOverload, a: Any, dtensors: list[DTensor], call: tuple[tup
             a.numel() == 1
             or OPTIONS.implicit_replication
             or op in OPTIONS.plain_as_replicate
-            or op in _SHAPE_ONLY
             or torch._C._get_dtensor_allow_implicit_replication()
         ):
             # single-element tensors count as replicated, as in torch (a tensor lr in fused AdamW);
@@ -217,11 +218,6 @@ def _unwrap_one(op: OpOverload, a: Any, dtensors: list[DTensor], call: tuple[tup
                 return tuple(keys), list(locals_)
         return tuple(a), a
     return a, a
-
-
-# Ops that read only shapes: a plain tensor among their args is compared as it is (its global
-# shape is its shape), as torch's DTensor does (`torch.equal(dt, t)` asks is_same_size first).
-_SHAPE_ONLY = frozenset({torch.ops.aten.is_same_size.default})
 
 
 def _first_mesh(args: tuple, kwargs: dict) -> DeviceMesh:

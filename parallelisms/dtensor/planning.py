@@ -107,8 +107,8 @@ def build_plan(op: OpOverload, key_args: tuple, key_kwargs: dict, cache: PlanCac
             return _decomposition_plan(call, decomposition, "no sharding rule: running its decomposition")
         if fallback:
             return _fallback_plan(op, call, cache)
-        raise NotImplementedError(  # torch's sentence first: ported code and tests match on it
-            f"Operator {op} does not have a sharding strategy registered: no sharding rule for {op} with placements "
+        raise NotImplementedError(  # torch's sentence: ported code and tests match on it
+            f"Operator {op} does not have a sharding strategy registered: no rule for placements "
             f"{tuple(tuple(str(p) for p in s.placements) for s in specs)}; rules for this family live in "
             f"{rule_file_for(op)} (or wrap the call in parallelisms.dtensor.dispatch.replicate_fallback())"
         )

@@ -216,51 +216,30 @@ def redistribute_local(
     if coordinate is None:  # off the mesh: no shard to move
         return local
     steps = plan_transitions(src, dst_placements)
-    if len(steps) > 1 and mesh._root._flat_groups:
-        return conform_layout(_run_fused(local, src, steps, coordinate, is_backward, async_op), src)
-    for i, step in enumerate(steps):
-        last = async_op and i == len(steps) - 1
-        local = run_transition(local, step, mesh, coordinate[step.mesh_dim], is_backward=is_backward, async_op=last)
+    fuse = len(steps) > 1 and bool(mesh._root._flat_groups)
+    current = list(src.placements)  # the placements after the steps run so far
+    i = 0
+    while i < len(steps):
+        # consecutive steps one collective over the flattened mesh of their dims can do (as torch:
+        # an HSDP (P, P) -> (R, R) with `dp` flattened is one all-reduce), else one step
+        run = _fusable_run(steps, i) if fuse else steps[i : i + 1]
+        last = async_op and i + len(run) == len(steps)
+        fused = _run_on_flat_group(local, src, run, current, coordinate, last) if len(run) > 1 else None
+        if fused is None:
+            run = run[:1]
+            step = run[0]
+            last = async_op and i + 1 == len(steps)
+            fused = run_transition(local, step, mesh, coordinate[step.mesh_dim], is_backward=is_backward, async_op=last)
+        local = fused
+        for t in run:
+            current[t.mesh_dim] = t.dst
+        i += len(run)
     return conform_layout(local, src)
 
 
 # ------------------------------------------------------------------------------------------------
 # Consecutive collectives of one kind fused over a flattened mesh (as torch's redistribute does)
 # ------------------------------------------------------------------------------------------------
-
-
-def _run_fused(
-    local: torch.Tensor,
-    src: DTensorSpec,
-    steps: tuple[Transition, ...],
-    coordinate: list[int],
-    is_backward: bool,
-    async_op: bool,
-) -> torch.Tensor:
-    """Run `steps`, doing each run of consecutive all-reduces (one reduce op), all-gathers of one
-    tensor dim (inner mesh dim first) or reduce-scatters to one tensor dim (outer first) as one
-    collective over the flattened mesh of their dims, when the root has flattened those dims.
-    A (P, P) -> (R, R) redistribution on an HSDP mesh with its `dp` flattened is one all-reduce."""
-    mesh = src.mesh
-    current = list(src.placements)
-    i = 0
-    while i < len(steps):
-        run = _fusable_run(steps, i)
-        dims = tuple(sorted(t.mesh_dim for t in run))
-        group = mesh._flattened_group(dims) if len(run) > 1 else None
-        last = async_op and i + len(run) == len(steps)
-        fused = None if group is None else _run_on_flat_group(local, src, run, current, coordinate, dims, group, last)
-        if fused is None:
-            run = run[:1]
-            step = run[0]
-            last = async_op and i + 1 == len(steps)
-            local = run_transition(local, step, mesh, coordinate[step.mesh_dim], is_backward=is_backward, async_op=last)
-        else:
-            local = fused
-        for t in run:
-            current[t.mesh_dim] = t.dst
-        i += len(run)
-    return local
 
 
 def _fusable_run(steps: tuple[Transition, ...], start: int) -> tuple[Transition, ...]:
@@ -287,12 +266,15 @@ def _run_on_flat_group(
     run: tuple[Transition, ...],
     current: list[Placement],
     coordinate: list[int],
-    dims: tuple[int, ...],
-    group: torch.distributed.ProcessGroup,
     async_op: bool,
 ) -> torch.Tensor | None:
-    """`run` as one collective on `group` (the flattened `dims`, row-major), or None for an uneven
-    reduce-scatter (its nested chunks need not be one chunking, and torch keeps it per mesh dim)."""
+    """`run` as one collective on the group of its mesh dims flattened (row-major); None when the
+    root has not flattened those dims, or for an uneven reduce-scatter (its nested chunks need not
+    be one chunking, and torch keeps it per mesh dim)."""
+    dims = tuple(sorted(t.mesh_dim for t in run))
+    group = src.mesh._flattened_group(dims)
+    if group is None:
+        return None
     mesh_shape = src.mesh.shape
     n = math.prod(mesh_shape[m] for m in dims)
     first = run[0]

@@ -35,7 +35,7 @@ def _errors() -> dict[str, str]:
 
 def test_dispatch_errors_name_the_op_the_placements_and_the_fix():
     found = run_world(_errors, 2)[0]
-    assert "no sharding rule for aten.linalg_cholesky_ex.default" in found["missing"]
+    assert "Operator aten.linalg_cholesky_ex.default does not have a sharding strategy" in found["missing"]
     assert "S(0)" in found["missing"] and "parallelisms/dtensor/ops/" in found["missing"]
     assert "plain torch.Tensor" in found["plain"] and "distribute_tensor" in found["plain"]
     assert "different meshes" in found["mesh"]
