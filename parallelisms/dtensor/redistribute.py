@@ -383,12 +383,17 @@ def partition_value(local: torch.Tensor, reduce_op: str, n: int, index: int) -> 
 
 
 def check_target(src: DTensorSpec, dst_placements: tuple[Placement, ...]) -> None:
-    """Reject impossible targets before any communication (every rank raises the same error)."""
+    """Reject targets the public `redistribute` refuses, before any communication (every rank raises
+    the same error). As torch's, it never makes a Partial: a mesh dim may be Partial after only if it
+    was the same Partial before. (Rules and backward still move Replicate -> Partial internally: a
+    pending sum is a result of ops, not a layout users ask for. `DTensor.from_local(t, mesh,
+    [Partial()])` declares one.)"""
     for m, (s, d) in enumerate(zip(src.placements, dst_placements)):
-        if isinstance(d, Partial) and s != d and not isinstance(s, Replicate):
+        if isinstance(d, Partial) and s != d:
             # torch's words and error type (RuntimeError; ours is also the ValueError of a misuse)
             raise ShardingError(
                 f"Can not redistribute from {s} to {d} on mesh dim {m} (placements "
-                f"{[str(p) for p in src.placements]} -> {[str(p) for p in dst_placements]}): only Replicate "
-                f"can become Partial; redistribute to Replicate() first"
+                f"{[str(p) for p in src.placements]} -> {[str(p) for p in dst_placements]}): redistribute "
+                f"never creates a Partial; declare pending sums with DTensor.from_local(local, mesh, "
+                f"[..., Partial(), ...]) or keep {s} on that mesh dim"
             )

@@ -3,11 +3,17 @@
 Our `_log_softmax` and `nll_loss` rules (parallelisms/dtensor/ops/norms.py, loss.py) always keep a
 sharded class dim sharded: the log-softmax all-reduces each row's max and sum of exponentials, and
 the shard that owns a row's target class contributes its loss (P(sum)). So unlike torch, the math
-needs no switch. What this context adds is torch's calling convention: the targets may be plain
-tensors (taken as replicated), so `F.cross_entropy(dtensor_logits, labels)` works as ported, and
-torch's input check: inside the context the logits must be sharded on their class dim by exactly
-one mesh dim, the other mesh dims Shard or Replicate (torch raises the same ValueError; gathering
-the vocabulary silently would defeat the point). As with torch, run the backward inside it too.
+needs no switch. What this context adds is torch's calling convention:
+- the targets (and class weights) may be plain tensors, taken as replicated, so
+  `F.cross_entropy(dtensor_logits, labels)` works as ported;
+- torch's input check: the logits must be sharded on their class dim by exactly one mesh dim, the
+  other mesh dims Shard or Replicate (torch raises the same ValueError; gathering the vocabulary
+  silently would defeat the point);
+- torch's result: the loss of `F.cross_entropy` / `F.nll_loss` is reduced over the class-sharding
+  mesh dim in forward (Replicate there; Partial(sum) on mesh dims that shard rows, as torch's).
+  That is the third all_reduce of torch's forward; its backward then needs no collective: the
+  nll backward hands log_softmax's backward the row sums it would otherwise all-reduce.
+As with torch, run the backward inside it too.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..dtensor import DTensor
 from ..dtensor.dispatch import plain_tensors_as_replicate
-from ..dtensor.placements import Placement
+from ..dtensor.placements import Partial, Placement, Replicate
 
 LOSS_OPS = frozenset(
     {
@@ -55,21 +61,30 @@ def check_class_dim_sharded(placements: tuple[Placement, ...], dim: int) -> int:
     return shard_mesh_dims[0]
 
 
-class _CheckLossInputs(TorchFunctionMode):
+class _LossParallelMode(TorchFunctionMode):
+    """Checks the logits of the losses torch's loss_parallel checks, and reduces a loss over the
+    mesh dim that shards the classes (torch's placements for the result)."""
+
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         x = args[0] if args else kwargs.get("input")
-        if isinstance(x, DTensor) and (func in _CLASS_DIM_ARG or func in _CLASS_DIM_1):
-            if func in _CLASS_DIM_1:
-                dim = 1 if x.ndim >= 2 else 0
-            else:
-                dim = args[_CLASS_DIM_ARG[func]] if len(args) > 1 else kwargs.get("dim")
+        if not (isinstance(x, DTensor) and (func in _CLASS_DIM_ARG or func in _CLASS_DIM_1)):
+            return func(*args, **kwargs)
+        if func in _CLASS_DIM_ARG:
+            dim = args[_CLASS_DIM_ARG[func]] if len(args) > 1 else kwargs.get("dim")
             if isinstance(dim, int):
                 check_class_dim_sharded(x.placements, dim % max(x.ndim, 1))
-        return func(*args, **kwargs)
+            return func(*args, **kwargs)
+        class_mesh_dim = check_class_dim_sharded(x.placements, 1 if x.ndim >= 2 else 0)
+        loss = func(*args, **kwargs)
+        if isinstance(loss, DTensor) and isinstance(loss.placements[class_mesh_dim], Partial):
+            placements = list(loss.placements)
+            placements[class_mesh_dim] = Replicate()
+            loss = loss.redistribute(placements=placements)  # its backward moves nothing
+        return loss
 
 
 @contextmanager
 def loss_parallel() -> Iterator[None]:
-    with plain_tensors_as_replicate(LOSS_OPS), _CheckLossInputs():
+    with plain_tensors_as_replicate(LOSS_OPS), _LossParallelMode():
         yield

@@ -9,6 +9,8 @@ Inside ranks (see tests/world.py):
 - `placements_and_collectives(fn, args, want)`: a DTensor call's output placements and collective count.
 - `run_ours_and_torch(fn, ours_args, theirs_args)`: one call on our DTensor and on torch's, counted.
 - `expect_error(what, fn, error, needle)`: a failure line unless `fn()` raises a helpful error.
+- `as_partial(dt, placements)`: the same global value with Partial placements (public
+  `redistribute` never makes a Partial, as torch's; tests build pending sums with this).
 
 In the test process:
 - `MESHES` / `run_on_meshes(fn)`: the standard sweep over meshes (2,), (4,), (2, 2).
@@ -56,6 +58,14 @@ def get_torch_mesh(shape: Sequence[int], names: Sequence[str] | None = None):
     if key not in _TORCH_MESHES:
         _TORCH_MESHES[key] = torch_init_device_mesh("cpu", tuple(shape), mesh_dim_names=names)
     return _TORCH_MESHES[key]
+
+
+def as_partial(dt: DTensor, placements: Sequence) -> DTensor:
+    """`dt` moved to `placements`, Partial ones included: each rank keeps its piece of a Replicate
+    value (R -> P moves no data), differentiably, through the internal redistribution."""
+    from parallelisms.dtensor.dtensor import Redistribute
+
+    return Redistribute.apply(dt, tuple(placements), False)
 
 
 def placement_choices(ndim: int, mesh_ndim: int, *, partial: bool = False) -> list[tuple]:

@@ -10,7 +10,7 @@ import torch
 from parallelisms.dtensor import Partial, Replicate, Shard, distribute_tensor
 from parallelisms.dtensor import dispatch as dispatch_module
 from parallelisms.dtensor.fast_call import _RecordOps, fast_call
-from tests.dtensor.harness import get_mesh
+from tests.dtensor.harness import as_partial, get_mesh
 from tests.world import run_world
 
 aten = torch.ops.aten
@@ -91,7 +91,7 @@ def _repeated_ops() -> list[str]:
     x_full, w_full, p_full = _t(6, 4), _t(4, 5, seed=1), _t(6, 4, seed=2)
     x = distribute_tensor(x_full, mesh, [Shard(0)])
     w = distribute_tensor(w_full, mesh, [Replicate()])
-    p = distribute_tensor(p_full, mesh, [Replicate()]).redistribute(mesh, [Partial()])
+    p = as_partial(distribute_tensor(p_full, mesh, [Replicate()]), [Partial()])
     failures = []
     cases = {  # name -> (DTensor call, single-device call)
         "mm": (lambda: torch.mm(x, w), lambda: torch.mm(x_full, w_full)),

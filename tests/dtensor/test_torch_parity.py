@@ -21,7 +21,7 @@ import parallelisms.dtensor as odt
 import parallelisms.tensor_parallel as otp
 from parallelisms.dtensor.debug import CommDebugMode
 from parallelisms.dtensor.experimental import implicit_replication
-from tests.dtensor.harness import get_mesh, get_torch_mesh
+from tests.dtensor.harness import as_partial, get_mesh, get_torch_mesh
 from tests.world import run_world
 
 IMPLS = {"ours": (odt, otp), "torch": (tdt, ttp)}
@@ -134,7 +134,7 @@ def prod_and_comm_program() -> dict[str, Any]:
     r = odt.distribute_tensor(torch.tensor([-3.0, 5.0]), mesh, [odt.Replicate()])
     with CommDebugMode() as comm:
         full = p.full_tensor()
-        roundtrip = r.redistribute(mesh, [odt.Partial("prod")]).redistribute(mesh, [odt.Replicate()])
+        roundtrip = as_partial(r, [odt.Partial("prod")]).redistribute(mesh, [odt.Replicate()])
         scattered = p.redistribute(mesh, [odt.Shard(0)]).full_tensor()
     counts = comm.get_comm_counts()
     return {

@@ -86,9 +86,15 @@ def refusal_program() -> dict[str, Any]:
         mesh = get((2, 2))
         d = dt.DTensor.from_local(torch.ones(2, 3), mesh, [dt.Shard(0), dt.Partial("prod")])
         errors = []
-        for target in ([dt.Replicate(), dt.Partial("sum")], [dt.Partial("prod"), dt.Partial("prod")]):
+        r = dt.distribute_tensor(torch.ones(2, 3), mesh, [dt.Replicate(), dt.Replicate()])
+        for source, target in (
+            (d, [dt.Replicate(), dt.Partial("sum")]),
+            (d, [dt.Partial("prod"), dt.Partial("prod")]),
+            (r, [dt.Replicate(), dt.Partial("sum")]),  # even Replicate: only ops make pending sums
+            (r, [dt.Partial("avg"), dt.Replicate()]),
+        ):
             try:
-                d.redistribute(mesh, target)
+                source.redistribute(mesh, target)
                 errors.append(None)
             except RuntimeError as e:
                 errors.append(str(e))
@@ -96,7 +102,7 @@ def refusal_program() -> dict[str, Any]:
     return out
 
 
-def test_redistribute_to_another_partial_raises_runtime_error_as_torch() -> None:
+def test_redistribute_to_a_new_partial_raises_runtime_error_as_torch() -> None:
     for result in run_world(refusal_program, 4):
         for ours, theirs in zip(result["ours"], result["torch"]):
             assert ours is not None and theirs is not None

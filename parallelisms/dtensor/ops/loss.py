@@ -31,6 +31,7 @@ from torch.ops import aten
 from .. import collectives
 from ..placements import Partial, Placement, Replicate, Shard
 from ..spec import DTensorSpec
+from .norms import remember_row_sums
 from .registry import OpCall, Sharding, register
 
 R = Replicate()
@@ -203,12 +204,15 @@ def nll_backward_impl(local_args, local_kwargs, input_specs, output_specs):
     local_weight = weight.narrow(0, start, classes) if weight is not None else None
     local = local_targets(target, ignore_index, classes, start)
     out = op(grad, x, local, local_weight, reduction, LOCAL_IGNORE, total)
-    if weight is None:
-        # Each row of the global grad_input holds one value, at its target's column, on the rank
-        # that owns it. log_softmax's backward needs the row sums; the same kernel on one class per
-        # row gives them here, bit for bit, on every rank, which saves that backward its all_reduce.
-        one_class = x.new_empty(*x.shape[:1], 1, *x.shape[2:]) if x.ndim >= 2 else x.new_empty(1)
-        kept = torch.where(target == ignore_index, target, torch.zeros_like(target))
-        row_sums = op(grad, one_class, kept, None, reduction, ignore_index, total)
-        out._meshtrain_row_sums = (out._version, row_sums)
+    # Each row of the global grad_input holds one value, -w[t] * grad (/ total), at its target's
+    # column, on the rank that owns it. log_softmax's backward needs the row sums; the same kernel
+    # on one class per row, times w[t], gives them here bit for bit on every rank, which saves that
+    # backward its all_reduce (torch's loss_parallel fuses the two backwards for the same saving).
+    one_class = x.new_empty(*x.shape[:1], 1, *x.shape[2:]) if x.ndim >= 2 else x.new_empty(1)
+    kept = torch.where(target == ignore_index, target, torch.zeros_like(target))
+    row_sums = op(grad, one_class, kept, None, reduction, ignore_index, total)
+    if weight is not None:
+        w = weight[target.masked_fill(target == ignore_index, 0)]  # an ignored row's sum is already 0
+        row_sums = row_sums * (w.unsqueeze(1) if x.ndim >= 2 else w)
+    remember_row_sums(out, row_sums)
     return out

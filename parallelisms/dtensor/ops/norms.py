@@ -138,16 +138,36 @@ def sharded_log_softmax_backward(local_args: list, local_kwargs: dict, input_spe
     dim = dim + grad.ndim if dim < 0 else dim
     spec = input_specs[0]
     gc = _compute_dtype(grad)
-    known = getattr(grad, "_meshtrain_row_sums", None)  # set by the vocabulary-parallel nll backward
-    if (
-        known is not None
-        and known[0] == grad._version
-        and known[1].shape == (*grad.shape[:dim], 1, *grad.shape[dim + 1 :])
-    ):
-        row_sum = _compute_dtype(known[1])
-    else:
+    row_sum = known_row_sums(grad, dim)
+    if row_sum is None:
         row_sum = _all_reduce_over(gc.sum(dim, keepdim=True), "sum", spec, spec.shard_mesh_dims(dim))
-    return (gc - _compute_dtype(output).exp() * row_sum).to(output_specs[0].dtype)
+    return (gc - _compute_dtype(output).exp() * _compute_dtype(row_sum)).to(output_specs[0].dtype)
+
+
+def remember_row_sums(grad: torch.Tensor, row_sums: torch.Tensor) -> None:
+    """Leave on `grad` (a fresh, dense backward output) its row sums over the sharded class dim, for
+    `known_row_sums`. They are kept on its storage: the grad may reach log_softmax's backward as a
+    reshape (cross_entropy on (N, C, d) runs nll_loss2d on a (N, C, 1, d) view), and views made
+    below autograd share their storage, not their Python object, base or version counter."""
+    if grad.is_contiguous():
+        grad.untyped_storage()._meshtrain_row_sums = (grad.data_ptr(), grad.shape, row_sums)
+
+
+def known_row_sums(grad: torch.Tensor, dim: int) -> torch.Tensor | None:
+    """The row sums over `dim` `remember_row_sums` left, if `grad` is that tensor or a reshape of it
+    that keeps the dims up to `dim`. A sum of grads (log_softmax's output read twice) is a new
+    tensor, autograd never accumulates DTensor grads in place, so it finds none and all-reduces."""
+    known = getattr(grad.untyped_storage(), "_meshtrain_row_sums", None)
+    if known is None:
+        return None
+    data_ptr, shape, row_sums = known
+    same_rows = (
+        grad.data_ptr() == data_ptr
+        and grad.is_contiguous()
+        and grad.shape[: dim + 1] == shape[: dim + 1]
+        and grad.numel() == shape.numel()
+    )
+    return row_sums.reshape(*grad.shape[:dim], 1, *grad.shape[dim + 1 :]) if same_rows else None
 
 
 def _combine(combo: Sequence[tuple[Placement, ...]], n_inputs: int) -> Sharding:

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from parallelisms.dtensor import Partial, Replicate, Shard, distribute_tensor
 from parallelisms.dtensor.debug import CommDebugMode
-from tests.dtensor.harness import check_op, get_mesh, get_torch_mesh, run_on_meshes, to_torch_placements
+from tests.dtensor.harness import as_partial, check_op, get_mesh, get_torch_mesh, run_on_meshes, to_torch_placements
 from tests.world import run_world
 
 
@@ -152,7 +152,7 @@ def _partial_weight_lookup():
     mesh = get_mesh((2,))
     torch.manual_seed(0)
     weight, ids = torch.randn(6, 4), torch.randint(0, 6, (3, 4))
-    w = distribute_tensor(weight, mesh, (Replicate(),)).redistribute(mesh, (Partial(),))
+    w = as_partial(distribute_tensor(weight, mesh, (Replicate(),)), (Partial(),))
     out = F.embedding(distribute_tensor(ids, mesh, (Replicate(),)), w)
     return out.placements, torch.allclose(out.full_tensor(), F.embedding(ids, weight))
 

@@ -33,6 +33,7 @@ from parallelisms.dtensor.ops.upsample import upsample_rule
 from tests.dtensor.harness import (
     MESHES,
     FakeMesh,
+    as_partial,
     assert_no_failures,
     check_op,
     expect_error,
@@ -334,9 +335,7 @@ def _fill_partial(mesh_shape: tuple[int, ...]) -> list[str]:
             d = DTensor.from_local(torch.randn(3, 4) * (dist.get_rank() + 1), mesh, placements)
             if name.startswith("dtensor"):
                 v = distribute_tensor(torch.tensor(1.25), mesh, [R] * n)
-                value = (
-                    v.redistribute(placements=[p if p == P else R for p in placements]) if name == "dtensor_P" else v
-                )
+                value = as_partial(v, [p if p == P else R for p in placements]) if name == "dtensor_P" else v
             with CommDebugMode() as comm:
                 d.fill_(value)
             want = torch.full(tuple(d.shape), float(value.full_tensor() if isinstance(value, DTensor) else value))

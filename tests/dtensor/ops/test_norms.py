@@ -12,7 +12,7 @@ from torch.ops import aten
 
 from parallelisms.dtensor import Partial, Replicate, Shard, distribute_tensor
 from parallelisms.dtensor.debug import CommDebugMode
-from tests.dtensor.harness import check_op, get_mesh, get_torch_mesh, run_on_meshes
+from tests.dtensor.harness import as_partial, check_op, get_mesh, get_torch_mesh, run_on_meshes
 from tests.world import run_world
 
 
@@ -140,7 +140,7 @@ def _partial_grad_layouts():
     x, g, w, b = torch.randn(4, 8), torch.randn(4, 8), torch.randn(8), torch.randn(8)
     _, mean, rstd = aten.native_layer_norm(x, [8], w, b, 1e-5)
     rep = [distribute_tensor(t, mesh, (Replicate(),)) for t in (x, mean, rstd, w, b)]
-    dg = distribute_tensor(g, mesh, (Replicate(),)).redistribute(mesh, (Partial(),))
+    dg = as_partial(distribute_tensor(g, mesh, (Replicate(),)), (Partial(),))
     with CommDebugMode() as comm:
         outs = aten.native_layer_norm_backward(dg, rep[0], [8], rep[1], rep[2], rep[3], rep[4], [True] * 3)
         y = aten._softmax_backward_data(dg, torch.softmax(rep[0], -1), -1, torch.float32)
