@@ -37,16 +37,20 @@ class DTensor(torch.Tensor):
     @staticmethod
     def __new__(cls, local_tensor: torch.Tensor, spec: DTensorSpec, *, requires_grad: bool = False) -> DTensor:
         meta = spec.tensor_meta
-        r = torch.Tensor._make_wrapper_subclass(
-            cls,
-            meta.shape,
-            strides=meta.stride,
-            storage_offset=local_tensor.storage_offset(),  # as torch: views of shards report the shard's
-            dtype=local_tensor.dtype,
-            device=local_tensor.device,
-            layout=local_tensor.layout,
-            requires_grad=requires_grad,
-        )
+        offset = local_tensor.storage_offset()  # as torch: views of shards report the shard's
+        if local_tensor.layout != torch.strided or requires_grad or offset or not spec._contiguous:
+            r = torch.Tensor._make_wrapper_subclass(
+                cls,
+                meta.shape,
+                strides=meta.stride,
+                storage_offset=offset,
+                dtype=local_tensor.dtype,
+                device=local_tensor.device,
+                layout=local_tensor.layout,
+                requires_grad=requires_grad,
+            )
+        else:  # the common case, with only the keywords that differ from the defaults (see _wrap)
+            r = _make_wrapper(cls, meta.shape, dtype=local_tensor.dtype, device=local_tensor.device)
         r._local_tensor = local_tensor
         r._spec = spec
         return r
@@ -62,6 +66,8 @@ class DTensor(torch.Tensor):
             r = _make_wrapper(
                 DTensor, meta.shape, strides=meta.stride, storage_offset=offset, dtype=meta.dtype, device=device
             )
+        elif spec._contiguous:  # the default strides: not parsing them halves the wrapper's cost
+            r = _make_wrapper(DTensor, meta.shape, dtype=meta.dtype, device=device)
         else:
             r = _make_wrapper(DTensor, meta.shape, strides=meta.stride, dtype=meta.dtype, device=device)
         r._local_tensor = local_tensor

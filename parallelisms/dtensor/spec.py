@@ -36,10 +36,15 @@ class DTensorSpec:
     tensor_meta: TensorMeta
     _hash: int = field(init=False, repr=False, compare=False)
     _partial: bool = field(init=False, repr=False, compare=False)  # has_partial(), for the hot path
+    # the stride is exactly the contiguous one of the shape, which wrappers get without being told
+    # (passing strides costs _make_wrapper_subclass half its time)
+    _contiguous: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_hash", hash((self.mesh, self.placements, self.tensor_meta)))
+        meta = self.tensor_meta
+        object.__setattr__(self, "_hash", hash((self.mesh, self.placements, meta)))
         object.__setattr__(self, "_partial", any(isinstance(p, Partial) for p in self.placements))
+        object.__setattr__(self, "_contiguous", tuple(meta.stride) == contiguous_stride(meta.shape))
 
     def __hash__(self) -> int:
         return self._hash
@@ -101,6 +106,16 @@ def stride_order(shape: Sequence[int], stride: Sequence[int]) -> tuple[int, ...]
     """The dims of size > 1 from outermost to innermost in memory (ties keep dim order)."""
     dims = [d for d in range(len(shape)) if shape[d] > 1]
     return tuple(sorted(dims, key=lambda d: -stride[d]))
+
+
+def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    """torch.empty(shape).stride(): row-major, a size-0 dim counted as 1."""
+    out = [0] * len(shape)
+    acc = 1
+    for d in range(len(shape) - 1, -1, -1):
+        out[d] = acc
+        acc *= max(shape[d], 1)
+    return tuple(out)
 
 
 def dense_stride_like(stride: Sequence[int], shape: Sequence[int]) -> tuple[int, ...]:

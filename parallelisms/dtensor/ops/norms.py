@@ -150,7 +150,7 @@ def remember_row_sums(grad: torch.Tensor, row_sums: torch.Tensor) -> None:
     reshape (cross_entropy on (N, C, d) runs nll_loss2d on a (N, C, 1, d) view), and views made
     below autograd share their storage, not their Python object, base or version counter."""
     if grad.is_contiguous():
-        grad.untyped_storage()._meshtrain_row_sums = (grad.data_ptr(), grad.shape, row_sums)
+        grad.untyped_storage()._meshtrain_row_sums = (grad.data_ptr(), grad.shape, row_sums)  # type: ignore[attr-defined]
 
 
 def known_row_sums(grad: torch.Tensor, dim: int) -> torch.Tensor | None:
