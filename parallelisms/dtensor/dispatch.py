@@ -253,21 +253,29 @@ def _value_free_key(key: tuple) -> tuple:
     kind = _SCALAR_KIND.get(op)
     if kind is None:
         kind = _SCALAR_KIND[op] = _scalar_kind(op)
-    if not kind or any(_has_partial(a) for a in key_args):
+    if not kind:
         return key
+    for a in key_args:  # plain loops and list comprehensions: the optimizer step calls this per op
+        if _has_partial(a):
+            return key
     if kind == "list":
-        args = tuple(("scalars", len(a)) if type(a) is tuple and a and type(a[0]) is float else a for a in key_args)
+        args = tuple([("scalars", len(a)) if type(a) is tuple and a and type(a[0]) is float else a for a in key_args])
         return (op, args, key_kwargs, root)
-    args = tuple(_FLOAT if type(a) is float else a for a in key_args)
-    kwargs = tuple((n, _FLOAT if type(v) is float else v) for n, v in key_kwargs)
+    args = tuple([_FLOAT if type(a) is float else a for a in key_args])
+    kwargs = tuple([(n, _FLOAT if type(v) is float else v) for n, v in key_kwargs]) if key_kwargs else key_kwargs
     return (op, args, kwargs, root)
 
 
 def _has_partial(a: Any) -> bool:
     """A Partial spec, or a list holding one (rules read scalar values for Partial inputs)."""
-    if type(a) is DTensorSpec:
+    t = type(a)
+    if t is DTensorSpec:
         return a._partial
-    return type(a) is tuple and any(type(x) is DTensorSpec and x._partial for x in a)
+    if t is tuple:
+        for x in a:
+            if type(x) is DTensorSpec and x._partial:
+                return True
+    return False
 
 
 _STATIC_TYPES = frozenset(
