@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from parallelisms.dtensor import DeviceMesh, init_device_mesh
+if TYPE_CHECKING:  # the degree checks run in pre-flight, before torch is imported
+    from parallelisms.dtensor import DeviceMesh
 
 # mesh dim -> the [parallelism] config key that sets its degree (for error messages)
 CONFIG_KEYS = {
@@ -89,6 +91,8 @@ class ParallelDims:
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """World mesh over the dims of degree > 1 (see the module docstring), with the flattened
         "dp", "dp_shard_cp" and "dp_cp" submeshes registered on it. Collective: call on every rank."""
+        from parallelisms.dtensor import init_device_mesh
+
         names = [name for name in MESH_ORDER if getattr(self, name) > 1] or ["dp_shard"]
         shape = [getattr(self, name) for name in names]
         world_mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
