@@ -156,7 +156,10 @@ def remember_row_sums(grad: torch.Tensor, row_sums: torch.Tensor) -> None:
 def known_row_sums(grad: torch.Tensor, dim: int) -> torch.Tensor | None:
     """The row sums over `dim` `remember_row_sums` left, if `grad` is that tensor or a reshape of it
     that keeps the dims up to `dim`. A sum of grads (log_softmax's output read twice) is a new
-    tensor, autograd never accumulates DTensor grads in place, so it finds none and all-reduces."""
+    tensor, autograd never accumulates DTensor grads in place, so it finds none and all-reduces.
+    Not seen: a hook that edits the grad in place between the two backwards (shards' version
+    counters do not move below autograd). torch's loss_parallel, which skips log_softmax's
+    backward altogether, has the same blind spot."""
     known = getattr(grad.untyped_storage(), "_meshtrain_row_sums", None)
     if known is None:
         return None
