@@ -15,7 +15,6 @@ checkpointed region, and the recomputation runs while the block's parameters are
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -67,7 +66,7 @@ def checkpoint_module(module: nn.Module, *, selective: bool = False) -> nn.Modul
     forward = module.forward
     # full AC passes no context_fn: torch.compile (torch 2.13) traces a checkpoint only when its
     # context_fn is absent or a constant partial; an explicit noop_context_fn fails to trace
-    options: dict[str, Callable[[], Any]] = (
+    options: dict[str, Any] = (
         {"context_fn": functools.partial(create_selective_checkpoint_contexts, _save_matmuls)} if selective else {}
     )
 
