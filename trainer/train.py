@@ -20,6 +20,7 @@ import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -28,8 +29,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.optim.lr_scheduler import LambdaLR
 
 from checkpoint.manager import CheckpointManager
-from checkpoint.stateful import ModelState, OptimizerState, RngState
-from models.llama3 import Transformer, llama3_configs
+from checkpoint.stateful import ModelState, OptimizerState, RngState, Stateful
+from models.llama3 import Transformer, TransformerModelArgs, llama3_configs
 from models.llama3.parallelize import check_compile_supported, data_parallel_mesh, parallelize_llama
 from parallelisms.dtensor import DeviceMesh, DTensor, Partial
 from parallelisms.dtensor.init import layout_invariant_init
@@ -348,7 +349,7 @@ def build_components(cfg: JobConfig, runtime: Runtime) -> Components:
         dp_rank=dp_rank, dp_size=dp_size, seed=training.seed,
         global_batch_size=training.global_batch_size if training.global_batch_size > 0 else None,
     )  # fmt: skip
-    args = model.model_args  # type: ignore[union-attr]
+    args = cast(TransformerModelArgs, model.model_args)
     fpt = flops_per_token(
         model, n_layers=args.n_layers, n_heads=args.n_heads, head_dim=args.head_dim, seq_len=training.seq_len
     )
@@ -394,11 +395,12 @@ def build_checkpointer(
     if not cfg.checkpoint.enable:
         return None
     options = {k: v for k, v in dataclasses.asdict(cfg.checkpoint).items() if k not in ("enable", "folder")}
-    states = {
+    states: dict[str, Stateful] = {
         "model": ModelState(model), "optimizer": OptimizerState(model, optimizer), "lr_scheduler": scheduler,
         "dataloader": loader, "train_state": train_state, "rng": RngState(),
     }  # fmt: skip
-    metadata = {"job_config": cfg.to_dict(), "model_args": dataclasses.asdict(model.model_args)}  # type: ignore[arg-type]
+    model_args = cast(TransformerModelArgs, model.model_args)
+    metadata = {"job_config": cfg.to_dict(), "model_args": dataclasses.asdict(model_args)}
     manager = CheckpointManager(Path(cfg.job.dump_folder) / cfg.checkpoint.folder, states, metadata=metadata, **options)
     train_state.step = manager.load()
     return manager
