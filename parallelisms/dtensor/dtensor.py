@@ -38,7 +38,7 @@ class DTensor(torch.Tensor):
     def __new__(cls, local_tensor: torch.Tensor, spec: DTensorSpec, *, requires_grad: bool = False) -> DTensor:
         meta = spec.tensor_meta
         offset = local_tensor.storage_offset()  # as torch: views of shards report the shard's
-        if local_tensor.layout != torch.strided or requires_grad or offset or not spec._contiguous:
+        if local_tensor.layout != torch.strided or requires_grad or offset or not meta.contiguous:
             r = torch.Tensor._make_wrapper_subclass(
                 cls,
                 meta.shape,
@@ -66,7 +66,7 @@ class DTensor(torch.Tensor):
             r = _make_wrapper(
                 DTensor, meta.shape, strides=meta.stride, storage_offset=offset, dtype=meta.dtype, device=device
             )
-        elif spec._contiguous:  # the default strides: not parsing them halves the wrapper's cost
+        elif meta.contiguous:  # the default strides: not parsing them halves the wrapper's cost
             r = _make_wrapper(DTensor, meta.shape, dtype=meta.dtype, device=device)
         else:
             r = _make_wrapper(DTensor, meta.shape, strides=meta.stride, dtype=meta.dtype, device=device)

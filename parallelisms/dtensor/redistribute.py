@@ -223,14 +223,14 @@ def redistribute_local(
         # consecutive steps one collective over the flattened mesh of their dims can do (as torch:
         # an HSDP (P, P) -> (R, R) with `dp` flattened is one all-reduce), else one step
         run = _fusable_run(steps, i) if fuse else steps[i : i + 1]
-        last = async_op and i + len(run) == len(steps)
-        fused = _run_on_flat_group(local, src, run, current, coordinate, last) if len(run) > 1 else None
-        if fused is None:
+        out = None
+        if len(run) > 1:
+            out = _run_on_flat_group(local, src, run, current, coordinate, async_op and i + len(run) == len(steps))
+        if out is None:
             run = run[:1]
-            step = run[0]
-            last = async_op and i + 1 == len(steps)
-            fused = run_transition(local, step, mesh, coordinate[step.mesh_dim], is_backward=is_backward, async_op=last)
-        local = fused
+            step, last = run[0], async_op and i + 1 == len(steps)
+            out = run_transition(local, step, mesh, coordinate[step.mesh_dim], is_backward=is_backward, async_op=last)
+        local = out
         for t in run:
             current[t.mesh_dim] = t.dst
         i += len(run)
@@ -292,7 +292,9 @@ def _run_on_flat_group(
     dim = cast(Shard, first.dst).dim
     if first.logical_shape[dim] % n:  # uneven: nested chunks need not be one chunking (torch too runs one per dim)
         return None
-    index = flat_coords.index(list(coordinate))
+    index = 0  # this rank's row-major position on the flattened dims
+    for m in dims:
+        index = index * mesh_shape[m] + coordinate[m]
     reduce_op = cast(Partial, first.src).reduce_op
     return collectives.reduce_scatter(local, dim, reduce_op, group, index, async_op=async_op)
 

@@ -21,6 +21,12 @@ class TensorMeta:
     shape: torch.Size
     stride: tuple[int, ...]
     dtype: torch.dtype
+    # the stride is exactly the contiguous one of the shape, which wrappers get without being told
+    # (passing strides costs _make_wrapper_subclass half its time)
+    contiguous: bool = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "contiguous", tuple(self.stride) == contiguous_stride(self.shape))
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -36,15 +42,10 @@ class DTensorSpec:
     tensor_meta: TensorMeta
     _hash: int = field(init=False, repr=False, compare=False)
     _partial: bool = field(init=False, repr=False, compare=False)  # has_partial(), for the hot path
-    # the stride is exactly the contiguous one of the shape, which wrappers get without being told
-    # (passing strides costs _make_wrapper_subclass half its time)
-    _contiguous: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        meta = self.tensor_meta
-        object.__setattr__(self, "_hash", hash((self.mesh, self.placements, meta)))
+        object.__setattr__(self, "_hash", hash((self.mesh, self.placements, self.tensor_meta)))
         object.__setattr__(self, "_partial", any(isinstance(p, Partial) for p in self.placements))
-        object.__setattr__(self, "_contiguous", tuple(meta.stride) == contiguous_stride(meta.shape))
 
     def __hash__(self) -> int:
         return self._hash

@@ -40,9 +40,10 @@ LOSS_OPS = frozenset(
     }
 )
 
-# the functions whose input torch's loss_parallel checks, and where each finds the class dim
-_CLASS_DIM_ARG = {F.log_softmax: 1, torch.log_softmax: 1, torch.Tensor.log_softmax: 1}
-_CLASS_DIM_1 = (F.cross_entropy, F.nll_loss)
+# the functions whose input torch's loss_parallel checks: log-softmaxes take the class dim as their
+# second argument (`dim`), the losses have it at 1 (0 for a single row)
+_LOG_SOFTMAXES = (F.log_softmax, torch.log_softmax, torch.Tensor.log_softmax)
+_LOSSES = (F.cross_entropy, F.nll_loss)
 
 
 def check_class_dim_sharded(placements: tuple[Placement, ...], dim: int) -> int:
@@ -68,10 +69,10 @@ class _LossParallelMode(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         x = args[0] if args else kwargs.get("input")
-        if not (isinstance(x, DTensor) and (func in _CLASS_DIM_ARG or func in _CLASS_DIM_1)):
+        if not (isinstance(x, DTensor) and (func in _LOG_SOFTMAXES or func in _LOSSES)):
             return func(*args, **kwargs)
-        if func in _CLASS_DIM_ARG:
-            dim = args[_CLASS_DIM_ARG[func]] if len(args) > 1 else kwargs.get("dim")
+        if func in _LOG_SOFTMAXES:
+            dim = args[1] if len(args) > 1 else kwargs.get("dim")
             if isinstance(dim, int):
                 check_class_dim_sharded(x.placements, dim % max(x.ndim, 1))
             return func(*args, **kwargs)

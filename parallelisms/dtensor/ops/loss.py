@@ -209,10 +209,10 @@ def nll_backward_impl(local_args, local_kwargs, input_specs, output_specs):
     # on one class per row, times w[t], gives them here bit for bit on every rank, which saves that
     # backward its all_reduce (torch's loss_parallel fuses the two backwards for the same saving).
     one_class = x.new_empty(*x.shape[:1], 1, *x.shape[2:]) if x.ndim >= 2 else x.new_empty(1)
-    kept = torch.where(target == ignore_index, target, torch.zeros_like(target))
-    row_sums = op(grad, one_class, kept, None, reduction, ignore_index, total)
+    ignored = target == ignore_index
+    row_sums = op(grad, one_class, target.masked_fill(~ignored, 0), None, reduction, ignore_index, total)
     if weight is not None:
-        w = weight[target.masked_fill(target == ignore_index, 0)]  # an ignored row's sum is already 0
+        w = weight[target.masked_fill(ignored, 0)]  # an ignored row's sum is already 0
         row_sums = row_sums * (w.unsqueeze(1) if x.ndim >= 2 else w)
     remember_row_sums(out, row_sums)
     return out
