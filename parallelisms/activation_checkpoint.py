@@ -3,8 +3,9 @@
 Modes:
     "none"       keep every activation.
     "full"       keep only each block's input; recompute the whole block in backward.
-    "selective"  op-level selective checkpointing: keep the outputs of matmuls and attention (the
-                 expensive ops), recompute the cheap pointwise / norm ops in backward.
+    "selective"  with option "op": op-level selective checkpointing: keep the outputs of matmuls and
+                 attention (the expensive ops), recompute the cheap pointwise / norm ops in backward;
+                 with an int N: full checkpointing of every N-th block (torchtitan's layer SAC).
 
 Blocks are checkpointed by replacing their `forward` on the instance, not by wrapping them in a
 new module, so parameter names (and so checkpoints and plans keyed by them) do not change.
@@ -45,21 +46,32 @@ _SAVE_OPS = frozenset(
 )
 
 
-def apply_ac(model: nn.Module, mode: ACMode) -> nn.Module:
-    """Checkpoint every block of `model.layers` (an nn.ModuleDict or nn.ModuleList) in place."""
+def apply_ac(model: nn.Module, mode: ACMode, *, selective_option: str = "op", early_stop: bool = True) -> nn.Module:
+    """Checkpoint the blocks of `model.layers` (an nn.ModuleDict or nn.ModuleList) in place.
+
+    `selective_option` (torchtitan's `selective_ac_option`) refines mode "selective": "op" checkpoints
+    every block op by op; an int N checkpoints every N-th block fully (blocks N-1, 2N-1, ...) and leaves
+    the others alone. `early_stop` ends each recomputation once the tensors backward needs exist again.
+    """
     if mode not in AC_MODES:
         raise ValueError(
             f"activation checkpoint mode {mode!r} is not one of {AC_MODES}; fix activation_checkpoint.mode"
         )
     if mode == "none":
         return model
+    every = 1 if mode == "full" or selective_option == "op" else int(selective_option)
+    if every < 1:
+        raise ValueError(
+            f"activation_checkpoint.selective_ac_option={selective_option!r}: expected 'op' or an int >= 1"
+        )
     blocks = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
-    for block in blocks:  # type: ignore[union-attr]
-        checkpoint_module(block, selective=mode == "selective")
+    for i, block in enumerate(blocks):  # type: ignore[arg-type]
+        if (i + 1) % every == 0:
+            checkpoint_module(block, selective=mode == "selective" and selective_option == "op", early_stop=early_stop)
     return model
 
 
-def checkpoint_module(module: nn.Module, *, selective: bool = False) -> nn.Module:
+def checkpoint_module(module: nn.Module, *, selective: bool = False, early_stop: bool = True) -> nn.Module:
     """Make `module`'s forward recompute in backward instead of saving its activations."""
     if module.__dict__.get("_ac_checkpointed", False):
         raise ValueError(f"{type(module).__name__} is already activation-checkpointed; apply apply_ac once")
@@ -69,6 +81,8 @@ def checkpoint_module(module: nn.Module, *, selective: bool = False) -> nn.Modul
     options: dict[str, Any] = (
         {"context_fn": functools.partial(create_selective_checkpoint_contexts, _save_matmuls)} if selective else {}
     )
+    if not early_stop:  # torch's default is True: pass it only when it differs, as compile traces the default
+        options["early_stop"] = False
 
     def checkpointed_forward(*args: Any, **kwargs: Any) -> Any:
         return checkpoint(forward, *args, use_reentrant=False, **options, **kwargs)

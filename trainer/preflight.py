@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .config import JobConfig, load_config
+from .job_config import PIPELINE_SCHEDULES
 
 # (key, check, what it must be) for values that have a valid range
 _RANGES: list[tuple[str, Callable[[Any], bool], str]] = [
@@ -34,6 +35,12 @@ _RANGES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("metrics.log_freq", lambda v: v >= 1, ">= 1"),
     ("metrics.peak_tflops", lambda v: v >= 0, ">= 0 (0: from the GPU's name)"),
     ("comm.init_timeout_seconds", lambda v: v > 0, "> 0"),
+    ("comm.train_timeout_seconds", lambda v: v > 0, "> 0"),
+    ("training.gc_freq", lambda v: v >= 1, ">= 1"),
+    ("training.max_consecutive_skipped_steps", lambda v: v >= 1, ">= 1"),
+    ("optimizer.beta1", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("optimizer.beta2", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("lr_scheduler.decay_ratio", lambda v: v is None or 0 <= v <= 1, "None or in [0, 1]"),
     ("checkpoint.interval", lambda v: v >= 1, ">= 1"),
     ("checkpoint.keep_latest_k", lambda v: v >= 0, ">= 0 (0: keep all)"),
     ("checkpoint.load_step", lambda v: v >= -1, "-1 (the latest) or a saved step"),
@@ -48,16 +55,17 @@ _RANGES: list[tuple[str, Callable[[Any], bool], str]] = [
 _CHECKPOINT_STATES = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng")
 
 
-def check_config(cfg: JobConfig, world_size: int | None = None) -> None:
-    """Raise ValueError naming the first bad key: value ranges, divisibility by tp and, given the
-    world size, the degree arithmetic and the global batch split."""
+def check_config(cfg: JobConfig, world_size: int | None = None) -> list[str]:
+    """Raise ValueError naming the first bad key: value ranges, keys set to what needs a feature that is
+    not here, paths that cannot be written, divisibility by tp and, given the world size, the degree
+    arithmetic and the global batch split. Returns the warnings (e.g. a warmup longer than the run)."""
     for key, ok, want in _RANGES:
-        section, name = key.split(".")
-        if not hasattr(cfg, section) or not hasattr(getattr(cfg, section), name):
-            continue
-        value = getattr(getattr(cfg, section), name)
+        value = _get(cfg, key)
         if not ok(value):
             raise ValueError(f"{key}={value!r}: must be {want}")
+    _check_unavailable(cfg)
+    _check_paths(cfg)
+    warnings = _schedule_warnings(cfg) + _feature_warnings(cfg)
     if world_size is not None:  # the degree arithmetic and the accumulation split, where they live
         from parallelisms.parallel_dims import ParallelDims
 
@@ -81,10 +89,110 @@ def check_config(cfg: JobConfig, world_size: int | None = None) -> None:
         from .profiling import check_profiling
 
         check_profiling(cfg.profiling)
-    if cfg.compile.enable:
-        from models.llama3.parallelize import check_compile_supported  # NotImplementedError with TP
+    return warnings
 
-        check_compile_supported(cfg.parallelism.tensor_parallel_degree)
+
+def _get(cfg: JobConfig, key: str) -> Any:
+    obj: Any = cfg
+    for name in key.split("."):
+        obj = getattr(obj, name)
+    return obj
+
+
+def _schedule_warnings(cfg: JobConfig) -> list[str]:
+    from .lr_schedule import plan_schedule  # torch-free
+
+    sched = cfg.lr_scheduler
+    return plan_schedule(
+        warmup_steps=sched.warmup_steps, total_steps=cfg.training.steps, decay_ratio=sched.decay_ratio,
+        decay_type=sched.decay_type, min_lr_factor=sched.min_lr_factor,
+    )[1]  # fmt: skip
+
+
+def _feature_warnings(cfg: JobConfig) -> list[str]:
+    """Keys whose effect is only speed, set where they cannot act: the job runs, and says so."""
+    p, warnings = cfg.parallelism, []
+    if p.enable_async_tensor_parallel and p.tensor_parallel_degree > 1:
+        warnings.append(
+            "parallelism.enable_async_tensor_parallel=true has no effect here: TP runs its collectives "
+            "synchronously (async TP needs torch.compile of the TP blocks); results are the same"
+        )
+    if cfg.compile.enable and "model" in cfg.compile.components and p.tensor_parallel_degree > 1:
+        warnings.append(
+            f"compile.enable=true with parallelism.tensor_parallel_degree({p.tensor_parallel_degree}) > 1: the "
+            f"blocks run eager (torch.compile cannot trace meshtrain's DTensor, which TP makes every block "
+            f"activation); set compile.enable=false to silence this"
+        )
+    return warnings
+
+
+# (key, is it set to something needing what is not here, why and the fix)
+_UNAVAILABLE: list[tuple[str, Callable[[Any], bool], str]] = [
+    ("job.custom_config_module", bool, "meshtrain has no config extension modules; remove it"),
+    ("experimental.custom_import", bool, "meshtrain has no model registry to extend; remove it"),
+    ("experimental.custom_args_module", bool, "meshtrain has no config extension modules; remove it"),
+    ("metrics.enable_wandb", bool, "Weights & Biases is not available here; use metrics.enable_tensorboard=true"),
+    ("fault_tolerance.enable", bool, "torchft is not available here; use MAX_RESTARTS=N with checkpoint.enable"),
+    ("memory_estimation.enable", bool, "the dry-run memory estimator does not exist yet; set it to false"),
+    ("optimizer.early_step_in_backward", bool, "the optimizer steps after the backward only; set it to false"),
+    ("training.enable_cpu_offload", bool, "FSDP CPU offload is not implemented; set it to false"),
+    ("training.debug_moe_force_load_balance", bool, "the llama3 models have no MoE layers; set it to false"),
+    ("parallelism.enable_compiled_autograd", bool, "compiled autograd is not supported; set it to false"),
+    ("parallelism.expert_parallel_degree", lambda v: v != 1, "the llama3 models have no MoE layers; set it to 1"),
+    ("parallelism.expert_tensor_parallel_degree", lambda v: v != 1, "the llama3 models have no MoE layers; set 1"),
+    ("checkpoint.initial_load_in_hf_quantized", bool, "quantized HF weights cannot be loaded; set it to false"),
+    ("activation_checkpoint.mode", lambda v: v == "memory_budget",
+     "memory_budget needs torch.compile's min-cut partitioner, which cannot trace meshtrain's DTensor; use "
+     "'selective' or 'full'"),
+]  # fmt: skip
+
+
+def _check_unavailable(cfg: JobConfig) -> None:
+    """torchtitan keys of features not here are accepted at their defaults; set otherwise they are refused."""
+    for key, needs_it, why in _UNAVAILABLE:
+        value = _get(cfg, key)
+        if needs_it(value):
+            raise ValueError(f"{key}={value!r}: {why}")
+    p = cfg.parallelism
+    names = {s.lower(): s for s in PIPELINE_SCHEDULES}
+    if p.pipeline_parallel_schedule.lower() not in names:
+        raise ValueError(
+            f"parallelism.pipeline_parallel_schedule={p.pipeline_parallel_schedule!r}: expected one of "
+            f"{list(PIPELINE_SCHEDULES)} (any case)"
+        )
+    option = cfg.activation_checkpoint.selective_ac_option
+    if option != "op" and not (option.isdigit() and int(option) >= 1):
+        raise ValueError(
+            f"activation_checkpoint.selective_ac_option={option!r}: expected 'op' (op-level selective "
+            f"checkpointing) or a positive int N (checkpoint every N-th block)"
+        )
+
+
+def _check_paths(cfg: JobConfig) -> None:
+    """The folders the job writes can be created and written, checked now rather than at the first save."""
+    from pathlib import Path
+
+    dump = Path(cfg.job.dump_folder)
+    folders = [("job.dump_folder", dump)]
+    if cfg.checkpoint.enable and not cfg.checkpoint.load_only:
+        folders.append(("checkpoint.folder", dump / cfg.checkpoint.folder))
+    for key, folder in folders:
+        problem = _unwritable(folder)
+        if problem:
+            raise ValueError(f"{key}={str(_get(cfg, key))!r}: {problem}; point {key} at a folder you can write")
+
+
+def _unwritable(folder: Any) -> str | None:
+    """Why `folder` cannot be created or written, or None: the nearest existing path must be a writable folder."""
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        what = "is an existing file" if existing == folder else f"cannot be created: {existing} is a file"
+        return f"{folder} {what}, not a folder"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{folder} cannot be {'written' if existing == folder else 'created'}: {existing} is not writable"
+    return None
 
 
 def _check_validation(cfg: JobConfig) -> None:
@@ -132,7 +240,7 @@ def _check_checkpoint(cfg: JobConfig) -> None:
     if unknown:
         raise ValueError(f"checkpoint.exclude_from_loading={ckpt.exclude_from_loading}: {unknown} are not saved "
                          f"states; choose from {list(_CHECKPOINT_STATES)}")  # fmt: skip
-    if ckpt.enable and ckpt.initial_load_path:
+    if ckpt.initial_load_path and not ckpt.initial_load_in_hf:  # loaded whether or not saving is enabled
         from pathlib import Path
 
         if not (Path(ckpt.initial_load_path) / "index.json").is_file():
@@ -145,9 +253,10 @@ def _check_checkpoint(cfg: JobConfig) -> None:
 def _check_data(cfg: JobConfig) -> None:
     """The tokenizer loads, model.vocab_size covers it and tp divides the vocabulary (each TP rank
     holds an equal slice of the embedding and output), and dataset_path names data files."""
-    from .tokenizer import build_tokenizer, model_vocab_size  # the tokenizers package only with a path
+    from .tokenizer import build_model_tokenizer, model_vocab_size  # the tokenizers package only with a path
 
-    vocab = model_vocab_size(build_tokenizer(cfg.model.tokenizer_path), cfg.model.vocab_size)
+    tokenizer = build_model_tokenizer(cfg.model.tokenizer_path, cfg.model.hf_assets_path)
+    vocab = model_vocab_size(tokenizer, cfg.model.vocab_size)
     tp = cfg.parallelism.tensor_parallel_degree
     if vocab % tp:
         padded = -(-vocab // tp) * tp
@@ -186,7 +295,8 @@ def main(argv: list[str]) -> int:
     try:
         cfg = load_config(argv)
         world = int(os.environ.get("NGPU", "1")) * int(os.environ.get("NNODES", "1"))
-        check_config(cfg, world)
+        for warning in check_config(cfg, world):
+            print(f"config warning: {warning}", file=sys.stderr)
         log_rank = os.environ.get("LOG_RANK", "0")
         for r in log_rank.split(","):
             if r.strip() and not 0 <= int(r) < world:

@@ -147,6 +147,17 @@ def build_tokenizer(tokenizer_path: str) -> Tokenizer:
     return HFTokenizer(resolve_tokenizer_file(tokenizer_path))
 
 
+def build_model_tokenizer(tokenizer_path: str, hf_assets_path: str) -> Tokenizer:
+    """The job's tokenizer: model.tokenizer_path's, else the tokenizer.json in model.hf_assets_path (torchtitan's
+    place for it), else the byte tokenizer."""
+    if tokenizer_path or not hf_assets_path:
+        return build_tokenizer(tokenizer_path)
+    try:
+        return build_tokenizer(hf_assets_path)
+    except (ValueError, FileNotFoundError) as e:
+        raise type(e)(str(e).replace("model.tokenizer_path", "model.hf_assets_path")) from None
+
+
 def model_vocab_size(tokenizer: Tokenizer, vocab_size: int) -> int:
     """The model's vocabulary: `vocab_size` (model.vocab_size) when > 0, which pads the embedding and
     output past the tokenizer's ids (e.g. to a multiple of the TP degree), else the tokenizer's."""

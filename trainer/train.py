@@ -31,7 +31,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from checkpoint.manager import CheckpointManager
 from checkpoint.stateful import ModelState, OptimizerState, RngState, Stateful
 from models.llama3 import Transformer, TransformerModelArgs, llama3_configs
-from models.llama3.parallelize import check_compile_supported, data_parallel_mesh, parallelize_llama
+from models.llama3.parallelize import data_parallel_mesh, parallelize_llama
 from parallelisms.dtensor import DeviceMesh, DTensor, Partial
 from parallelisms.dtensor.init import layout_invariant_init
 from parallelisms.fsdp import FSDPModule, MixedPrecisionPolicy
@@ -42,13 +42,14 @@ from .config import Comm, JobConfig, Parallelism, load_config, save_config, to_t
 from .data import TokenBatches, build_data_loader
 from .dump_folder import lock_dump_folder
 from .failure import report_failure, under_torchelastic
+from .garbage import GarbageCollection
 from .loss import IGNORE_INDEX, token_loss_sum
 from .lr_schedule import build_lr_scheduler
 from .metrics import MetricsLogger, flops_per_token
 from .optim import build_optimizer
 from .preflight import check_config
 from .profiling import Profiler
-from .tokenizer import Tokenizer, build_tokenizer, model_vocab_size
+from .tokenizer import Tokenizer, build_model_tokenizer, model_vocab_size
 from .train_state import TrainState
 from .validate import ScalarWriter, Validator, build_held_out_windows
 
@@ -106,10 +107,16 @@ def build_parallel_dims(cfg: Parallelism, world_size: int) -> ParallelDims:
     )
 
 
-def check_unsupported(cfg: JobConfig) -> None:
-    """Fail early, with the fix, on options that are configured but not built yet."""
-    if cfg.compile.enable:
-        check_compile_supported(cfg.parallelism.tensor_parallel_degree)
+def check_unsupported(cfg: JobConfig, device: torch.device) -> None:
+    """Fail early, with the fix, on options whose support depends on the device (the pre-flight, which
+    may run where the job does not, accepts them)."""
+    if cfg.model.converters:
+        need = "CUDA float8/MX matmuls (H100 or newer)" if device.type != "cuda" else "torchao's converted linears"
+        raise NotImplementedError(
+            f"model.converters={cfg.model.converters}: float8/MX training is not implemented in meshtrain (it needs "
+            f"{need}; this job runs on {device.type}); set model.converters=[] to train in "
+            f"{cfg.training.mixed_precision_param if device.type == 'cuda' else 'float32'}"
+        )
 
 
 def build_model(cfg: JobConfig, vocab_size: int) -> Transformer:
@@ -314,21 +321,29 @@ def build_model_and_optimizer(
     cfg: JobConfig, runtime: Runtime, vocab_size: int
 ) -> tuple[nn.Module, torch.optim.Optimizer, LambdaLR]:
     """The parallelized, initialized model, its optimizer and lr scheduler."""
-    torch.manual_seed(cfg.training.seed)  # identical on every rank: the init fills stay in step
+    # identical on every rank (run_job resolved a None seed): the init fills stay in step
+    torch.manual_seed(cast(int, cfg.training.seed))
     model = build_model(cfg, vocab_size)
     param_dtype, reduce_dtype = compute_dtypes(cfg, runtime.device)
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    ac, p = cfg.activation_checkpoint, cfg.parallelism
     parallelize_llama(
         model, runtime.parallel_dims, runtime.world_mesh, loss_parallel=use_loss_parallel(cfg, runtime.parallel_dims),
-        ac_mode=cfg.activation_checkpoint.mode, mp_policy=mp_policy,
-        compile_backend=cfg.compile.backend if cfg.compile.enable else None,
+        ac_mode=ac.mode, ac_selective_option=ac.selective_ac_option, ac_early_stop=ac.early_stop, mp_policy=mp_policy,
+        reshard_after_forward=p.fsdp_reshard_after_forward != "never",  # "default": always, until PP exists
+        compile_backend=cfg.compile.backend if cfg.compile.enable and "model" in cfg.compile.components else None,
     )  # fmt: skip
     init_model(model, runtime.device)
+    if cfg.training.dtype == "bfloat16":  # torchtitan's training.dtype: no float32 master weights at all
+        model.to(torch.bfloat16)
     opt = cfg.optimizer
-    optimizer = build_optimizer(model, name=opt.name, lr=opt.lr, eps=opt.eps, weight_decay=opt.weight_decay)
+    optimizer = build_optimizer(
+        model, name=opt.name, lr=opt.lr, eps=opt.eps, weight_decay=opt.weight_decay, betas=(opt.beta1, opt.beta2),
+        implementation=opt.implementation,
+    )  # fmt: skip
     sched = cfg.lr_scheduler
     scheduler = build_lr_scheduler(
-        optimizer, warmup_steps=sched.warmup_steps, total_steps=cfg.training.steps,
+        optimizer, warmup_steps=sched.warmup_steps, total_steps=cfg.training.steps, decay_ratio=sched.decay_ratio,
         decay_type=sched.decay_type, min_lr_factor=sched.min_lr_factor,
     )  # fmt: skip
     return model, optimizer, scheduler
@@ -338,7 +353,7 @@ def build_components(cfg: JobConfig, runtime: Runtime) -> Components:
     """Model, optimizer, scheduler, data, metrics and checkpointer, resumed from the latest
     checkpoint when there is one (`train_state.step` is then the step to continue after)."""
     training = cfg.training
-    tokenizer = build_tokenizer(cfg.model.tokenizer_path)
+    tokenizer = build_model_tokenizer(cfg.model.tokenizer_path, cfg.model.hf_assets_path)
     model, optimizer, scheduler = build_model_and_optimizer(
         cfg, runtime, model_vocab_size(tokenizer, cfg.model.vocab_size)
     )
@@ -353,7 +368,7 @@ def build_components(cfg: JobConfig, runtime: Runtime) -> Components:
     fpt = flops_per_token(
         model, n_layers=args.n_layers, n_heads=args.n_heads, head_dim=args.head_dim, seq_len=training.seq_len
     )
-    tb_folder = Path(cfg.job.dump_folder) / "tb" if cfg.metrics.enable_tensorboard and dist.get_rank() == 0 else None
+    tb_folder = tensorboard_folder(cfg, dist.get_rank())
     metrics = MetricsLogger(
         flops_per_token=fpt, device=runtime.device, total_steps=training.steps, tb_folder=tb_folder,
         peak_tflops_override=cfg.metrics.peak_tflops, rank=dist.get_rank(),
@@ -364,6 +379,15 @@ def build_components(cfg: JobConfig, runtime: Runtime) -> Components:
     profiler = Profiler(cfg.profiling, dump_folder=Path(cfg.job.dump_folder), rank=dist.get_rank(),
                         device=runtime.device, global_step=train_state.step)  # fmt: skip
     return Components(model, optimizer, scheduler, loader, train_state, metrics, checkpointer, validator, profiler)
+
+
+def tensorboard_folder(cfg: JobConfig, rank: int) -> Path | None:
+    """dump_folder/save_tb_folder on rank 0, or rank_<R> under it on every rank with save_for_all_ranks."""
+    m = cfg.metrics
+    if not m.enable_tensorboard or (rank != 0 and not m.save_for_all_ranks):
+        return None
+    folder = Path(cfg.job.dump_folder) / m.save_tb_folder
+    return folder / f"rank_{rank}" if m.save_for_all_ranks else folder
 
 
 def build_validator(
@@ -434,47 +458,56 @@ def train_loop(cfg: JobConfig, runtime: Runtime, c: Components) -> list[float]:
     nonfinite = NonfiniteWatch(runtime.device)
     c.metrics.begin(state)
     tokens_since, data_since, t0 = 0, 0.0, time.perf_counter()
-    for step in range(state.step + 1, training.steps + 1):
-        fetch = time.perf_counter()
-        micro = [(x.to(runtime.device), y.to(runtime.device)) for x, y in
-                 (next(batches) for _ in range(c.loader.accumulation_steps))]  # fmt: skip
-        data_since += time.perf_counter() - fetch  # next(batches) and the host-to-device copies
-        lr = float(c.scheduler.get_last_lr()[0])
-        result = train_step(
-            c.model, c.optimizer, micro,
-            targets=global_target_count([lab for _, lab in micro], runtime.parallel_dims, runtime.world_mesh),
-            dp_size=runtime.dp_size, max_norm=training.max_norm, use_loss_parallel=loss_parallel_on,
-            skip_nonfinite=training.skip_nonfinite_steps, autocast=amp_dtype,
-        )  # fmt: skip
-        if not training.skip_nonfinite_steps:
-            nonfinite.note(step, result.grad_norm)
-        if result.skipped:
-            state.skipped_steps += 1
-            logger.warning("step %d: non-finite gradient norm, optimizer step skipped (%d so far)", step,
-                           state.skipped_steps)  # fmt: skip
-        c.scheduler.step()
-        state.step = step
-        state.tokens_seen += sum(x.numel() for x, _ in micro) * runtime.dp_size
-        tokens_since += tokens_per_device(micro, runtime.parallel_dims)
-        if step % cfg.metrics.log_freq == 0 or step == training.steps:
-            global_loss = reduce_loss(result.loss, runtime.parallel_dims, runtime.world_mesh)
-            if runtime.device.type == "cuda":
-                torch.cuda.synchronize(runtime.device)
-            nonfinite.check()  # the host waits here anyway
-            c.metrics.log(step, loss=global_loss, grad_norm=float(result.grad_norm), lr=lr, tokens=tokens_since,
-                          seconds=time.perf_counter() - t0, data_seconds=data_since)  # fmt: skip
-            losses.append(global_loss)
-            tokens_since, data_since, t0 = 0, 0.0, time.perf_counter()
-        if c.checkpointer is not None and c.checkpointer.is_due(step, last=step == training.steps):
-            nonfinite.check()  # never save weights a non-finite step has already spoilt
-            saving = time.perf_counter()
-            c.checkpointer.save_if_due(step, last=step == training.steps)
-            t0 += time.perf_counter() - saving  # a save is not training: tok/s leaves it out
-        if c.validator is not None and c.validator.should_validate(step):
-            validating = time.perf_counter()
-            c.validator.validate(c.model, step)
-            t0 += time.perf_counter() - validating  # nor is validation
-        c.profiler.step()
+    first_step, skipped_in_a_row = state.step + 1, 0
+    with GarbageCollection(training.gc_freq, debug=training.gc_debug) as collector:
+        for step in range(first_step, training.steps + 1):
+            fetch = time.perf_counter()
+            micro = [(x.to(runtime.device), y.to(runtime.device)) for x, y in
+                     (next(batches) for _ in range(c.loader.accumulation_steps))]  # fmt: skip
+            data_since += time.perf_counter() - fetch  # next(batches) and the host-to-device copies
+            lr = float(c.scheduler.get_last_lr()[0])
+            result = train_step(
+                c.model, c.optimizer, micro,
+                targets=global_target_count([lab for _, lab in micro], runtime.parallel_dims, runtime.world_mesh),
+                dp_size=runtime.dp_size, max_norm=training.max_norm, use_loss_parallel=loss_parallel_on,
+                skip_nonfinite=training.skip_nonfinite_steps, autocast=amp_dtype,
+            )  # fmt: skip
+            if not training.skip_nonfinite_steps:
+                nonfinite.note(step, result.grad_norm)
+            if result.skipped:
+                state.skipped_steps += 1
+                skipped_in_a_row += 1
+                logger.warning("step %d: non-finite gradient norm, optimizer step skipped (%d so far)", step,
+                               state.skipped_steps)  # fmt: skip
+                check_skips(step, skipped_in_a_row, training.max_consecutive_skipped_steps)
+            else:
+                skipped_in_a_row = 0
+            c.scheduler.step()
+            state.step = step
+            state.tokens_seen += sum(x.numel() for x, _ in micro) * runtime.dp_size
+            tokens_since += tokens_per_device(micro, runtime.parallel_dims)
+            if step % cfg.metrics.log_freq == 0 or step == training.steps:
+                global_loss = reduce_loss(result.loss, runtime.parallel_dims, runtime.world_mesh)
+                if runtime.device.type == "cuda":
+                    torch.cuda.synchronize(runtime.device)
+                nonfinite.check()  # the host waits here anyway
+                c.metrics.log(step, loss=global_loss, grad_norm=float(result.grad_norm), lr=lr, tokens=tokens_since,
+                              seconds=time.perf_counter() - t0, data_seconds=data_since)  # fmt: skip
+                losses.append(global_loss)
+                tokens_since, data_since, t0 = 0, 0.0, time.perf_counter()
+            if c.checkpointer is not None and c.checkpointer.is_due(step, last=step == training.steps):
+                nonfinite.check()  # never save weights a non-finite step has already spoilt
+                saving = time.perf_counter()
+                c.checkpointer.save_if_due(step, last=step == training.steps)
+                t0 += time.perf_counter() - saving  # a save is not training: tok/s leaves it out
+            if c.validator is not None and c.validator.should_validate(step):
+                validating = time.perf_counter()
+                c.validator.validate(c.model, step)
+                t0 += time.perf_counter() - validating  # nor is validation
+            if step == first_step:  # it may have compiled or loaded: init_timeout_seconds covered it
+                set_collective_timeout(runtime, cfg.comm.train_timeout_seconds)
+            collector.step(step)
+            c.profiler.step()
     if losses:
         c.metrics.log_summary(state)
     else:
@@ -482,22 +515,72 @@ def train_loop(cfg: JobConfig, runtime: Runtime, c: Components) -> list[float]:
     return losses
 
 
+def check_skips(step: int, in_a_row: int, limit: int) -> None:
+    """Stop a run whose every recent step was non-finite: skipping them all would only train on nothing."""
+    if in_a_row >= limit:
+        raise FloatingPointError(
+            f"step {step}: {in_a_row} steps in a row had a non-finite gradient norm and were skipped "
+            f"(training.max_consecutive_skipped_steps={limit}): training has diverged; lower optimizer.lr or "
+            f"raise lr_scheduler.warmup_steps, and resume from an earlier checkpoint"
+        )
+
+
+def set_collective_timeout(runtime: Runtime, seconds: int) -> None:
+    """Every mesh group's (and the world's) collective timeout becomes comm.train_timeout_seconds: after
+    the first step a collective that long overdue is a hang, not a compile or a load (torchtitan's)."""
+    from parallelisms.parallel_dims import FLATTENED
+
+    mesh = runtime.world_mesh
+    groups = [None, *mesh.get_all_groups()]
+    for name in FLATTENED:
+        try:
+            groups.append(mesh[name].get_group())
+        except (KeyError, ValueError):  # not registered: none of its dims is in this layout
+            continue
+    for group in groups:
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)
+
+
 # -------------------------------------------------------------------------------------- main
 def run_job(cfg: JobConfig, device: torch.device, world_size: int) -> None:
     """Everything between joining the world and teardown; what it builds (the mesh, model,
     optimizer) is garbage once it returns."""
-    check_config(cfg, world_size)  # the pre-flight's checks, on every rank (python -m trainer.train)
+    warnings = check_config(cfg, world_size)  # the pre-flight's checks, on every rank (python -m trainer.train)
     parallel_dims = build_parallel_dims(cfg.parallelism, world_size)
-    check_unsupported(cfg)
+    check_unsupported(cfg, device)
+    for warning in warnings if dist.get_rank() == 0 else []:
+        logger.warning("%s", warning)
+    cfg.training.seed = resolve_seed(cfg.training.seed, device)
+    set_determinism(cfg.training.deterministic)
     lock = lock_dump_folder(cfg.job.dump_folder)  # before writing anything there: one live job per folder
     try:
         # written only once the config is known good: a failed start leaves the last run's config alone
-        logger.debug("resolved config:\n%s", to_toml(cfg))
+        logger.log(logging.INFO if cfg.job.print_config else logging.DEBUG, "resolved config:\n%s", to_toml(cfg))
         if dist.get_rank() == 0:
             logger.info("%s; resolved config saved to %s", cfg.job.description, save_config(cfg, cfg.job.dump_folder))
         train(cfg, Runtime(parallel_dims, parallel_dims.build_mesh(device.type), device))
     finally:
         lock.release()
+
+
+def resolve_seed(seed: int | None, device: torch.device) -> int:
+    """training.seed, or for None one drawn on rank 0 and shared: every rank must initialize alike."""
+    if seed is not None:
+        return seed
+    drawn = torch.tensor(int.from_bytes(os.urandom(4), "little"), dtype=torch.int64, device=device)
+    dist.broadcast(drawn, src=0)
+    logger.info("training.seed is None: drew seed %d (saved in the resolved config)", int(drawn))
+    return int(drawn)
+
+
+def set_determinism(deterministic: bool) -> None:
+    """training.deterministic: only deterministic kernels (an op without one raises), as torchtitan."""
+    if not deterministic:
+        return
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's requirement for determinism
 
 
 def teardown(device: torch.device, *, owns_group: bool) -> None:

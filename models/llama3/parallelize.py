@@ -30,19 +30,20 @@ def parallelize_llama(
     *,
     loss_parallel: bool,
     ac_mode: ACMode = "none",
+    ac_selective_option: str = "op",
+    ac_early_stop: bool = True,
     mp_policy: MixedPrecisionPolicy | None = None,
     reshard_after_forward: bool = True,
     compile_backend: str | None = None,
 ) -> nn.Module:
     """Apply TP -> AC -> compile -> FSDP to `model` in place, as `parallel_dims` asks; returns `model`.
-    `compile_backend` (e.g. "inductor") compiles each block; None leaves the model eager."""
+    `compile_backend` (e.g. "inductor") compiles each block; None leaves the model eager, and so does
+    TP (`compile_supported`). `ac_selective_option` / `ac_early_stop`: see `apply_ac`."""
     _check_supported(parallel_dims)
-    if compile_backend is not None:
-        check_compile_supported(parallel_dims.tp)
     if parallel_dims.tp_enabled:
         apply_tp(model, world_mesh["tp"], loss_parallel=loss_parallel)
-    apply_ac(model, ac_mode)
-    if compile_backend is not None:
+    apply_ac(model, ac_mode, selective_option=ac_selective_option, early_stop=ac_early_stop)
+    if compile_backend is not None and compile_supported(parallel_dims.tp):
         apply_compile(model, compile_backend)
     dp_mesh = data_parallel_mesh(parallel_dims, world_mesh)
     if dp_mesh is not None:
@@ -76,17 +77,13 @@ def _check_supported(parallel_dims: ParallelDims) -> None:
             )
 
 
-def check_compile_supported(tp_degree: int) -> None:
-    """torch.compile cannot trace our DTensor, and TP makes every block parameter and activation one:
-    with fullgraph=True dynamo stops at the first `DTensor.from_local` (TP's input hook), an
-    autograd.Function whose DTensorSpec argument it cannot proxy ("Missing `as_proxy()`"). FSDP alone
-    is fine: its hooks run outside the compiled forward, which sees only plain unsharded parameters."""
-    if tp_degree > 1:
-        raise NotImplementedError(
-            f"compile.enable=true with parallelism.tensor_parallel_degree({tp_degree}) > 1 is not supported: the "
-            f"TP blocks compute on meshtrain DTensors, which torch.compile cannot trace; set compile.enable=false "
-            f"or parallelism.tensor_parallel_degree=1"
-        )
+def compile_supported(tp_degree: int) -> bool:
+    """Whether the blocks can be compiled. torch.compile cannot trace our DTensor, and TP makes every
+    block parameter and activation one: with fullgraph=True dynamo stops at the first
+    `DTensor.from_local` (TP's input hook), an autograd.Function whose DTensorSpec argument it cannot
+    proxy ("Missing `as_proxy()`"). FSDP alone is fine: its hooks run outside the compiled forward, which
+    sees only plain unsharded parameters. Under TP the blocks stay eager (the pre-flight warns)."""
+    return tp_degree == 1
 
 
 def apply_compile(model: nn.Module, backend: str) -> None:

@@ -83,7 +83,7 @@ def test_int_float_parsing() -> None:
 
 
 def test_literal_rejects_unknown_choice() -> None:
-    with pytest.raises(ValueError, match=r"expected one of \['linear', 'cosine'\]"):
+    with pytest.raises(ValueError, match=r"expected one of \['linear', 'sqrt', 'cosine'\]"):
         load_config(["--lr_scheduler.decay_type", "step"])
 
 
@@ -95,3 +95,28 @@ def test_save_config_round_trips(tmp_path: Path) -> None:
     reloaded.job.config_file = cfg.job.config_file
     assert reloaded == cfg
     assert tomllib.loads(path.read_text())["training"]["steps"] == 4
+
+
+def test_nested_sections_round_trip_through_toml(tmp_path: Path) -> None:
+    cfg = load_config(["--quantize.linear.float8.filter_fqns", "output,norm", "--training.seed", "none"])
+    assert cfg.quantize.linear.float8.filter_fqns == ["output", "norm"] and cfg.training.seed is None
+    path = save_config(cfg, tmp_path)
+    assert "[quantize.linear.float8]" in path.read_text()
+    reloaded = load_config(["--job.config_file", str(path), "--training.seed", "none"])
+    reloaded.job.config_file = None
+    assert reloaded == cfg
+
+
+@pytest.mark.parametrize("raw", ["inf", "nan", "-inf", "1e999"])
+def test_nonfinite_numbers_are_config_errors(tmp_path: Path, raw: str) -> None:
+    """`--optimizer.lr inf` used to pass the pre-flight and crash in the metrics line."""
+    with pytest.raises(ValueError, match=rf"optimizer.lr='{raw}': expected a finite number"):
+        load_config(["--optimizer.lr", raw])
+    toml = _write(tmp_path, "[training]\nmax_norm = nan\n")
+    with pytest.raises(ValueError, match=r"training.max_norm=nan: expected a finite number"):
+        load_config(["--job.config_file", toml])
+
+
+def test_list_of_lists_from_the_command_line() -> None:
+    cfg = load_config(["--parallelism.module_fqns_per_model_part", "tok_embeddings,layers.0;layers.1,norm,output"])
+    assert cfg.parallelism.module_fqns_per_model_part == [["tok_embeddings", "layers.0"], ["layers.1", "norm", "output"]]

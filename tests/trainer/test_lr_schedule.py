@@ -44,5 +44,5 @@ def test_linear_is_linear_and_cosine_is_above_it_early() -> None:
 
 def test_unknown_decay_type_errors() -> None:
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    with pytest.raises(ValueError, match="expected 'linear' or 'cosine'"):
+    with pytest.raises(ValueError, match="expected one of"):
         build_lr_scheduler(opt, warmup_steps=1, total_steps=5, decay_type="step", min_lr_factor=0.0)

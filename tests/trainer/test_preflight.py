@@ -73,3 +73,42 @@ def test_preflight_of_the_default_job_imports_no_torch() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]", done.stdout
+
+
+def _preflight(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "trainer.preflight", *args], cwd=REPO, env={**os.environ, "NGPU": "2"},
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+
+
+def test_a_warmup_longer_than_the_run_is_warned_and_clamped() -> None:
+    done = _preflight("--lr_scheduler.warmup_steps", "100", "--training.steps", "3")
+    assert done.returncode == 0, done.stderr
+    assert "config warning: lr_scheduler.warmup_steps(100) >= training.steps(3)" in done.stderr
+    from trainer.lr_schedule import lr_factor
+
+    factors = [lr_factor(s, warmup_steps=100, total_steps=3, decay_type="linear", min_lr_factor=0.0) for s in range(3)]
+    assert factors[-1] == 1.0 and factors[0] < factors[1] < 1.0  # the last step trains at the peak
+
+
+@pytest.mark.parametrize("inside", [False, True])
+def test_a_dump_folder_that_is_a_file_names_the_key(tmp_path: Path, inside: bool) -> None:
+    blocker = tmp_path / "outputs"
+    blocker.write_text("a file, not a folder")
+    folder = blocker / "run" if inside else blocker
+    done = _preflight("--job.dump_folder", str(folder))
+    assert done.returncode == 1
+    assert done.stderr.strip().startswith(f"config error: job.dump_folder='{folder}': {folder} "), done.stderr
+    assert "is a file, not a folder" in done.stderr or "is an existing file" in done.stderr
+
+
+def test_a_checkpoint_folder_that_cannot_be_created_names_the_key(tmp_path: Path) -> None:
+    (tmp_path / "checkpoint").write_text("in the way")
+    done = _preflight("--job.dump_folder", str(tmp_path), "--checkpoint.enable")
+    assert done.returncode == 1 and "config error: checkpoint.folder='checkpoint':" in done.stderr, done.stderr
+
+
+def test_initial_load_path_is_checked_without_checkpoint_enable(tmp_path: Path) -> None:
+    done = _preflight("--checkpoint.initial_load_path", str(tmp_path / "nowhere"))
+    assert done.returncode == 1 and "is not a committed checkpoint" in done.stderr, done.stderr
