@@ -188,24 +188,29 @@ def from_hf(hf_dir: str | Path, out: str | Path, *, dtype: str = "float32") -> P
     `save` takes the state dict at once."""
     hf_dir, out = Path(hf_dir), Path(out)
     _refuse_existing(out)
-    config = _read_json(hf_dir / HF_CONFIG_FILE, "the model's config.json")
-    args = hf.args_from_hf_config(config)
+    args, metadata = hf_model_metadata(hf_dir)
     files = hf_weight_files(hf_dir)
     tied = args.tie_word_embeddings
     if "lm_head.weight" not in files and not tied:
         raise ValueError(f"{hf_dir} has no lm_head.weight and its config says tie_word_embeddings=false")
     expected = hf.parameter_shapes(args)
     model = _read_hf_tensors(hf_dir, files, args, expected, DTYPES[dtype], tied)
-    flavor = hf.closest_flavor(args)
-    metadata = {
-        "job_config": {"model": {"name": "llama3", "flavor": flavor}},
-        "model_args": hf.model_args_to_json(args),
-        "converted_from": {"hf_dir": str(hf_dir), "architectures": config.get("architectures")},
-    }
     _refuse_existing(out)  # again: it may have appeared while reading
     if out.is_dir():
         out.rmdir()  # an empty OUT is allowed, as for to-hf; save refuses any existing directory
     return save({"model": {k: model[k] for k in expected}}, out, metadata=metadata)
+
+
+def hf_model_metadata(hf_dir: Path) -> tuple[TransformerModelArgs, dict[str, Any]]:
+    """The model args of the HF Llama in `hf_dir` (from its config.json) and the metadata a checkpoint
+    of it records: its model args, the closest llama3 flavor and where it came from."""
+    config = _read_json(hf_dir / HF_CONFIG_FILE, "the model's config.json")
+    args = hf.args_from_hf_config(config)
+    return args, {
+        "job_config": {"model": {"name": "llama3", "flavor": hf.closest_flavor(args)}},
+        "model_args": hf.model_args_to_json(args),
+        "converted_from": {"hf_dir": str(hf_dir), "architectures": config.get("architectures")},
+    }
 
 
 def hf_weight_files(hf_dir: Path) -> dict[str, Path]:

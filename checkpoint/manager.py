@@ -1,20 +1,27 @@
 """CheckpointManager: when the trainer saves, what it resumes from, and what it keeps.
 
 A folder of committed `step-<N>/` checkpoints (torchtitan's `[checkpoint]` semantics):
-- on start, interrupted saves (`*.tmp-*`) are deleted and the job resumes from the latest committed
-  step (or `load_step`), whatever parallelism wrote it; with no checkpoint yet, `initial_load_path`
-  seeds the model (and, unless `initial_load_model_only`, everything else);
-- every `interval` steps and at the last step it saves (the last one only the model, cast to
-  `export_dtype`, when `last_save_model_only`); `async_mode = "async"` stages to CPU and writes on a
-  background thread with its own gloo group, so the loop only waits for the staging copy;
-- after each commit only the newest `keep_latest_k` committed steps are kept (0: all).
+- on start, interrupted saves (`*.tmp-*`) are deleted and the job resumes from the latest resumable
+  step (or `load_step`), whatever parallelism wrote it; newer folders it passes over (model-only
+  exports, an incomplete step without index.json) are named with the reason. With no checkpoint yet,
+  `initial_load_path` (a meshtrain checkpoint, or with `initial_load_in_hf` a Hugging Face folder,
+  by default `model.hf_assets_path`) seeds the model (and, unless `initial_load_model_only`,
+  everything else), also when `enable` is off (then nothing else is read or saved);
+- every `interval` steps, at the last step (and after step 1 with `enable_first_step_checkpoint`) it
+  saves, unless `load_only`: the last one only the model, cast to `export_dtype`, when
+  `last_save_model_only` (as a Hugging Face folder `step-<N>-hf/` with `last_save_in_hf`);
+  `async_mode = "async"` (or "async_with_pinned_mem") stages to CPU and writes on a background thread
+  with its own gloo group, so the loop only waits for the staging copy;
+- a folder in the way of a save (a model-only export where the resumable step goes, an incomplete
+  or a replaced step) is renamed `step-<N>.<reason>` (kept, never deleted; never loaded again);
+- after each commit only the newest `keep_latest_k` committed steps are kept (0: all);
+- `create_seed_checkpoint` saves the initialized model as step-0 and the trainer stops.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import re
 import shutil
 import time
 from collections.abc import Sequence
@@ -25,86 +32,151 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from models.llama3 import TransformerModelArgs
+from models.llama3 import hf_adapter as hf
+
+from .convert import HF_CONFIG_FILE, hf_model_metadata
 from .distributed import async_save, load, save
-from .format import INDEX_FILE, CheckpointError, read_index
+from .format import CheckpointError, read_index
+from .hf_state import check_hf_folder, load_hf_model, save_hf_model
 from .stateful import Stateful
+from .step_folders import LOADABLE, StepKind, clear_way, committed_steps, report_passed_over, step_folders, step_kind
 from .storage import remove_leftovers, temporary_dir
 
 logger = logging.getLogger(__name__)
-_STEP_DIR = re.compile(r"step-(\d+)")
-ASYNC_MODES = ("disabled", "async")
-
-
-def committed_steps(folder: Path) -> list[int]:
-    """Steps with a committed checkpoint in `folder`, ascending (a `.tmp-` directory never counts)."""
-    if not folder.is_dir():
-        return []
-    found = [(m, p) for p in folder.iterdir() if (m := _STEP_DIR.fullmatch(p.name))]
-    return sorted(int(m.group(1)) for m, p in found if (p / INDEX_FILE).is_file())
+ASYNC_MODES = ("disabled", "async", "async_with_pinned_mem")
 
 
 class CheckpointManager:
-    """Saves and resumes the trainer's `states` ({"model": ..., "optimizer": ..., ...}) in `folder`."""
+    """Saves and resumes the trainer's `states` ({"model": ..., "optimizer": ..., ...}) in `folder`.
+
+    The keyword arguments are torchtitan v0.2.0's `[checkpoint]` keys (see the module docstring), plus
+    `hf_assets_path` (model.hf_assets_path, the Hugging Face folder `initial_load_in_hf` reads when
+    `initial_load_path` is "") and `metadata` (saved with every checkpoint; its "model_args" are checked
+    against any weights loaded). `enable_ft_dataloader_checkpoints` and `initial_load_in_hf_quantized`
+    are accepted and ignored: fault tolerance does not exist here, the pre-flight refuses the other.
+    """
 
     def __init__(
         self,
         folder: str | Path,
         states: dict[str, Stateful],
         *,
+        enable: bool = True,
         interval: int = 500,
         keep_latest_k: int = 10,
         async_mode: str = "disabled",
         last_save_model_only: bool = True,
+        last_save_in_hf: bool = False,
         export_dtype: str = "float32",
         initial_load_path: str = "",
         initial_load_model_only: bool = True,
+        initial_load_in_hf: bool = False,
+        initial_load_in_hf_quantized: bool = False,
+        hf_assets_path: str = "",
         exclude_from_loading: Sequence[str] = (),
         load_step: int = -1,
+        enable_first_step_checkpoint: bool = False,
+        load_only: bool = False,
+        create_seed_checkpoint: bool = False,
+        enable_ft_dataloader_checkpoints: bool = True,
         metadata: dict[str, Any] | None = None,
     ) -> None:
-        if async_mode not in ASYNC_MODES:
-            raise ValueError(f"checkpoint.async_mode={async_mode!r}: expected one of {ASYNC_MODES}")
+        del initial_load_in_hf_quantized, enable_ft_dataloader_checkpoints  # accepted for torchtitan's configs
+        _check_options(async_mode, last_save_model_only, last_save_in_hf, initial_load_model_only,
+                       initial_load_in_hf, initial_load_path or hf_assets_path)  # fmt: skip
         if "model" not in states:
             raise ValueError("the checkpointed states need a 'model' entry")
         self.folder, self.states, self.interval, self.keep_latest_k = Path(folder), states, interval, keep_latest_k
-        self.last_save_model_only, self.export_dtype = last_save_model_only, getattr(torch, export_dtype)
+        self.enable, self.saving = enable, enable and not load_only  # load_only: resume as usual, never save
+        self.last_save_model_only, self.last_save_in_hf = last_save_model_only, last_save_in_hf
+        self.export_dtype_name, self.export_dtype = export_dtype, getattr(torch, export_dtype)
         self.initial_load_path, self.initial_load_model_only = initial_load_path, initial_load_model_only
+        self.initial_load_in_hf, self.hf_assets_path = initial_load_in_hf, hf_assets_path
         self.exclude_from_loading, self.load_step, self.metadata = list(exclude_from_loading), load_step, metadata
+        self.enable_first_step_checkpoint, self.load_only = enable_first_step_checkpoint, load_only
+        self.create_seed_checkpoint = create_seed_checkpoint
+        self.created_seed = False  # load() saved the seed checkpoint: the trainer must not train
+        self.resumed_step = 0
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self._pending: Future[Path] | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._group: dist.ProcessGroup | None = None
-        if async_mode == "async":
+        if async_mode != "disabled" and self.saving:
+            if async_mode == "async_with_pinned_mem":
+                cuda = "" if torch.cuda.is_available() else " (no CUDA here: the same as 'async')"
+                logger.info("checkpoint.async_mode='async_with_pinned_mem' saves as 'async' does, which stages into "
+                            "pinned memory on CUDA%s", cuda)  # fmt: skip
             # the commit's collectives run on the writer thread: they need a group nothing else uses
             self._group = dist.new_group(backend="gloo") if dist.is_initialized() else None
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer")
 
+    def _dir(self, step: int) -> Path:
+        return self.folder / f"step-{step}"
+
     # ------------------------------------------------------------------------------- loading
     def load(self) -> int:
-        """Resume from the latest committed step (or `load_step`); returns the step to continue
-        after (0 for a fresh start)."""
-        if self.rank == 0:
+        """Resume from the latest resumable step (or `load_step`), else start from the initial checkpoint;
+        returns the step to continue after (0 for a fresh start). With `create_seed_checkpoint` it saves
+        the freshly initialized model as step-0 instead and sets `created_seed`: nothing is to train."""
+        if self.create_seed_checkpoint:
+            self._save_seed()
+            return 0
+        if self.enable:
+            resumed = self._resume()
+            if resumed is not None:
+                self.resumed_step = resumed
+                return resumed
+        if self.initial_load_path or self.initial_load_in_hf:
+            return self._load_initial()
+        return 0
+
+    def _resume(self) -> int | None:
+        """The step resumed after (0 from a model-only one), or None when `folder` has no checkpoint."""
+        if self.rank == 0 and not self.load_only:  # load_only: the folder may be read-only
             for p in remove_leftovers(self.folder):
                 logger.warning("removed %s, left by an interrupted save", p)
         _barrier()
-        steps = committed_steps(self.folder)
-        if self.load_step >= 0 and self.load_step not in steps:
-            raise CheckpointError(f"checkpoint.load_step={self.load_step}: {self.folder} has committed steps {steps}")
-        candidates = [self.load_step] if self.load_step >= 0 else steps[::-1]
-        # the newest resumable one; a model-only save (the last save's export) only seeds the weights
-        resumable = [s for s in candidates if _is_resumable(self.folder / f"step-{s}")]
-        if candidates:
-            step = resumable[0] if resumable else candidates[0]
-            directory = self.folder / f"step-{step}"
-            self._load(directory, model_only=not resumable, exclude=self.exclude_from_loading)
-            logger.info("resumed from %s%s", directory, "" if resumable else " (model only: training starts at step 0)")
-            return step if resumable else 0
-        if self.initial_load_path:
-            self._load(Path(self.initial_load_path), model_only=self.initial_load_model_only, exclude=[])
-            logger.info("initialized from %s", self.initial_load_path)
-        return 0
+        kinds = {n: step_kind(p) for n, p in step_folders(self.folder).items()}
+        loadable = sorted(n for n, kind in kinds.items() if kind in LOADABLE)
+        if self.load_step >= 0 and self.load_step not in loadable:
+            found = f" (step-{self.load_step} is {kinds[self.load_step].value})" if self.load_step in kinds else ""
+            raise CheckpointError(f"checkpoint.load_step={self.load_step}: {self.folder} has committed steps "
+                                  f"{loadable}{found}")  # fmt: skip
+        resumable = [n for n in loadable if kinds[n] is StepKind.RESUMABLE]
+        if self.load_step >= 0:
+            step: int | None = self.load_step
+        else:  # the newest resumable one; a model-only save (the last save's export) only seeds the weights
+            step = resumable[-1] if resumable else loadable[-1] if loadable else None
+        if self.rank == 0:
+            report_passed_over(kinds, step, self.load_step)
+        if step is None:
+            return None
+        model_only = kinds[step] is not StepKind.RESUMABLE
+        self._load(self._dir(step), model_only=model_only, exclude=self.exclude_from_loading)
+        note = " (model only: training starts at step 0)" if model_only else ""
+        logger.info("resumed from %s%s", self._dir(step), note)
+        if self.initial_load_path or self.initial_load_in_hf:
+            logger.info("the initial checkpoint is not loaded: %s holds checkpoints, which come first", self.folder)
+        return 0 if model_only else step
 
-    def _load(self, directory: Path, *, model_only: bool, exclude: Sequence[str]) -> None:
+    def _load_initial(self) -> int:
+        """Load initial_load_path; the step its train_state continues after (0 when only the model loads)."""
+        t0, names = time.perf_counter(), ["model"]
+        if self.initial_load_in_hf:
+            key = "checkpoint.initial_load_path" if self.initial_load_path else "model.hf_assets_path"
+            path = Path(self.initial_load_path or self.hf_assets_path)
+            self._load_hf(path, key)
+        else:
+            path = Path(self.initial_load_path)
+            names = self._load(path, model_only=self.initial_load_model_only, exclude=[])
+        unsaved = "" if self.enable else f" (checkpoint.enable=false: {self.folder} is not scanned, nothing is saved)"
+        logger.info("initialized from %s in %.2f s%s", path, time.perf_counter() - t0, unsaved)
+        # as torchtitan's: a whole initial checkpoint (initial_load_model_only=false) continues its run
+        return int(self.states["train_state"].state_dict()["step"]) if "train_state" in names else 0
+
+    def _load(self, directory: Path, *, model_only: bool, exclude: Sequence[str]) -> list[str]:
+        """Load the states `names` (returned) from `directory`: the model, or all but `exclude`."""
         t0 = time.perf_counter()
         check_model_args(directory, read_index(directory).metadata, self.metadata or {})
         names = ["model"] if model_only else [n for n in self.states if n not in exclude]
@@ -113,23 +185,56 @@ class CheckpointManager:
         for name in names:
             self.states[name].load_state_dict(state_dict[name])
         logger.info("loaded %s from %s in %.2f s", ", ".join(names), directory, time.perf_counter() - t0)
+        return names
+
+    def _load_hf(self, path: Path, key: str) -> None:
+        """The model from the Hugging Face folder `path` (named by config key `key`): model only."""
+        files = check_hf_folder(path, key)
+        state_dict = self.states["model"].state_dict()
+        load_hf_model(state_dict, path, files, self._hf_model_args(path))
+        self.states["model"].load_state_dict(state_dict)
+
+    def _hf_model_args(self, path: Path) -> TransformerModelArgs:
+        """This job's model args (the q/k permutation needs the head counts), checked against the
+        folder's config.json when it has one."""
+        theirs: TransformerModelArgs | None = None
+        if (path / HF_CONFIG_FILE).is_file():
+            theirs, saved = hf_model_metadata(path)
+            # config.json gives the FFN width, which (multiple_of, ffn_dim_multiplier) spell in several ways:
+            # the tensors' shapes check it
+            spelled = {k: v for k, v in saved["model_args"].items() if k not in ("multiple_of", "ffn_dim_multiplier")}
+            check_model_args(path, {**saved, "model_args": spelled}, self.metadata or {})
+        ours = (self.metadata or {}).get("model_args")
+        if isinstance(ours, dict):
+            return hf.model_args_from_json(json.loads(json.dumps(ours)))
+        if theirs is None:
+            raise CheckpointError(
+                f"{path} has no {HF_CONFIG_FILE} and this job records no model args: the head counts of the q/k "
+                f"rotary layout are unknown; add the model's {HF_CONFIG_FILE}"
+            )
+        return theirs
 
     # -------------------------------------------------------------------------------- saving
     def is_due(self, step: int, *, last: bool) -> bool:
-        """Whether `save_if_due(step, last=last)` saves (every `interval` steps and at the last)."""
-        return last or step % self.interval == 0
+        """Whether `save_if_due(step, last=last)` saves: every `interval` steps, at the last, after step 1
+        with `enable_first_step_checkpoint`; never when saving is off (`enable` false or `load_only`)."""
+        if not self.saving:
+            return False
+        return last or step % self.interval == 0 or (step == 1 and self.enable_first_step_checkpoint)
 
     def save_if_due(self, step: int, *, last: bool) -> None:
         if not self.is_due(step, last=last):
             return
-        directory = self.folder / f"step-{step}"
+        directory = self._dir(step)
         waited = time.perf_counter()
         self.wait()
         waited = time.perf_counter() - waited
-        if directory.exists():  # e.g. a resumed job's last step was already saved
-            logger.info("%s exists; not saving step %d again", directory, step)
-            return
         model_only = last and self.last_save_model_only
+        if model_only and self.last_save_in_hf:
+            self._save_hf(step)
+            return
+        if not self._make_way(directory, step, model_only=model_only):
+            return
         state_dict = {n: s.state_dict() for n, s in self.states.items() if not model_only or n == "model"}
         if model_only and self.export_dtype != torch.float32:
             state_dict["model"] = {k: v.to(self.export_dtype) for k, v in state_dict["model"].items()}
@@ -146,6 +251,47 @@ class CheckpointManager:
             save(state_dict, directory, metadata=self.metadata)
             logger.info("checkpoint step %d saved to %s in %.2f s", step, directory, time.perf_counter() - t0)
             self._purge()
+
+    def _save_hf(self, step: int) -> None:
+        """The model as the Hugging Face folder `step-<N>-hf/` in export_dtype (synchronous, as torchtitan's)."""
+        out = self.folder / f"step-{step}-hf"
+        if not self._make_way(out, step, model_only=True):
+            return
+        t0 = time.perf_counter()
+        save_hf_model(self.states["model"].state_dict(), out, dtype=self.export_dtype_name, metadata=self.metadata,
+                      rank=self.rank)  # fmt: skip
+        logger.info("step %d saved as the Hugging Face folder %s (model only, %s) in %.2f s", step, out,
+                    self.export_dtype_name, time.perf_counter() - t0)  # fmt: skip
+
+    def _save_seed(self) -> None:
+        """create_seed_checkpoint: the initialized model as step-0 (model only, in the parameters' dtype, so any
+        layout resumes from it), or with last_save_in_hf as step-0-hf; then `created_seed`."""
+        if self.rank == 0:
+            for p in remove_leftovers(self.folder):
+                logger.warning("removed %s, left by an interrupted save", p)
+        _barrier()
+        if self.last_save_in_hf:
+            self._save_hf(0)
+        elif self._make_way(self._dir(0), 0, model_only=True):
+            save({"model": self.states["model"].state_dict()}, self._dir(0), metadata=self.metadata)
+            logger.info("created the seed checkpoint %s (the initialized model); not training", self._dir(0))
+        self.created_seed = True
+
+    def _make_way(self, directory: Path, step: int, *, model_only: bool) -> bool:
+        """Whether to save step `step` into `directory`: rank 0 decides (and sets aside what is in the way),
+        every rank follows, so a collective save starts on all of them or none."""
+        decision: list[Any] = [(True, None)]
+        if self.rank == 0:
+            try:
+                decision[0] = (clear_way(directory, step, model_only=model_only, resumed=self.resumed_step), None)
+            except OSError as e:
+                decision[0] = (False, f"cannot set aside {directory} to save step {step}: {e}")
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(decision, src=0)
+        go, error = decision[0]
+        if error is not None:
+            raise CheckpointError(error)
+        return bool(go)
 
     def wait(self) -> None:
         """Block until the background save (if any) has committed; re-raise its failure."""
@@ -167,15 +313,27 @@ class CheckpointManager:
         for step in committed_steps(self.folder)[: -self.keep_latest_k]:
             # renamed first, so a crash mid-delete leaves a leftover (cleaned at start), never a
             # committed-looking directory with files missing
-            doomed = temporary_dir(self.folder / f"step-{step}", "purge")
-            (self.folder / f"step-{step}").rename(doomed)
+            doomed = temporary_dir(self._dir(step), "purge")
+            self._dir(step).rename(doomed)
             shutil.rmtree(doomed, ignore_errors=True)
             logger.info("removed checkpoint step %d (keep_latest_k=%d)", step, self.keep_latest_k)
 
 
-def _is_resumable(directory: Path) -> bool:
-    """A checkpoint with the loop's state (not a model-only export)."""
-    return any(k == "train_state" or k.startswith("train_state.") for k in read_index(directory).values)
+def _check_options(
+    async_mode: str, last_model_only: bool, last_in_hf: bool, initial_model_only: bool, initial_in_hf: bool,
+    hf_path: str,
+) -> None:  # fmt: skip
+    if async_mode not in ASYNC_MODES:
+        raise ValueError(f"checkpoint.async_mode={async_mode!r}: expected one of {ASYNC_MODES}")
+    if last_in_hf and not last_model_only:
+        raise ValueError("checkpoint.last_save_in_hf=true writes only the model (a Hugging Face folder holds no "
+                         "optimizer or data state); set checkpoint.last_save_model_only=true")  # fmt: skip
+    if initial_in_hf and not initial_model_only:
+        raise ValueError("checkpoint.initial_load_in_hf=true loads only the model (a Hugging Face folder holds no "
+                         "optimizer or data state); set checkpoint.initial_load_model_only=true")  # fmt: skip
+    if initial_in_hf and not hf_path:
+        raise ValueError("checkpoint.initial_load_in_hf=true needs a Hugging Face folder; set "
+                         "checkpoint.initial_load_path or model.hf_assets_path")  # fmt: skip
 
 
 def _barrier() -> None:

@@ -10,6 +10,7 @@ destination bytes into one incremental CRC. So a verified read costs one copy, l
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -146,7 +147,7 @@ class CheckedFile:
             if crc != self.entry.crc32[b]:
                 raise CheckpointError(
                     f"{self.path}: checksum mismatch in bytes [{lo}, {hi}) (block {b}): the file is corrupt; "
-                    f"restore it or load an earlier checkpoint"
+                    f"restore it or resume from an earlier step with checkpoint.load_step"
                 )
 
     def _preadv(self, buffers: list[memoryview], offset: int) -> None:
@@ -191,6 +192,20 @@ def commit(tmp: Path, final: Path) -> None:
 
 def temporary_dir(final: Path, save_id: str) -> Path:
     return final.with_name(f"{final.name}.tmp-{save_id}")
+
+
+def set_aside(path: Path, reason: str) -> Path:
+    """Rename `path` to `<name>.<reason>` (`<name>.<reason>-2`, ... when taken) and return the new path:
+    kept for its owner, under a name no committed step (`step-<N>`) nor leftover (`*.tmp-*`) matches, so
+    it is neither loaded, purged nor cleaned up. Never deletes anything."""
+    assert ".tmp-" not in reason, "a set-aside name must not look like a leftover"
+    for n in itertools.count(1):
+        target = path.with_name(f"{path.name}.{reason}" + (f"-{n}" if n > 1 else ""))
+        if not target.exists() and not target.is_symlink():
+            os.rename(path, target)  # one writer (rank 0) names it: checked, then renamed
+            fsync_dir(path.parent)
+            return target
+    raise AssertionError("unreachable")
 
 
 def remove_leftovers(folder: Path) -> list[Path]:

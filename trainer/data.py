@@ -19,12 +19,15 @@ stream is read in its stored order, unshuffled (shuffle the files offline if the
 correlated): global batch k is the stream's windows [k * G, (k + 1) * G). Every rank reads and
 tokenizes the whole stream and keeps only its rows: no communication and no dependence on the dp
 degree, for dp x the tokenization work. An exhausted stream starts the next epoch, re-read from the
-start; packing runs on across the seam.
+start; packing runs on across the seam. Epoch ends are logged after epochs 1, 2, 4, 8, ... (data smaller
+than a global batch is re-read many times per step, and says so once); data without one non-blank
+document fails at the first fetch, since it could never fill a window.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 from collections.abc import Callable, Iterable, Iterator
@@ -135,6 +138,7 @@ class StreamedWindows:
 
     def __init__(self, stream: DocumentStream, *, seq_len: int, global_batch_size: int) -> None:
         self.stream, self.seq_len, self.global_batch_size = stream, seq_len, global_batch_size
+        self._warned_small = False  # the data is smaller than a global batch: said once
 
     def identity(self) -> dict[str, Any]:
         return {"dataset": self.stream.name}  # stored order, unshuffled: the seed plays no part
@@ -151,37 +155,67 @@ class StreamedWindows:
                 rows.append(row)
             yield torch.tensor(rows, dtype=torch.long), after  # (G, T + 1)
 
-    def _documents(self, epoch: int, document: int) -> Iterator[tuple[int, int, str]]:
-        """(epoch, index, text) from `document` of `epoch` on, epoch after epoch."""
-        while True:
-            count = document
-            for text in self.stream.documents(document):
-                yield epoch, count, text
-                count += 1
-            if count == 0:
-                raise ValueError(f"dataset {self.stream.name!r} holds no documents; check the path or its filter")
-            logger.info(
-                "dataset %s: epoch %d ended after %d documents; re-reading it from the start (epoch %d)",
-                self.stream.name, epoch, count, epoch + 1,
-            )  # fmt: skip
-            epoch, document = epoch + 1, 0
-
     def _windows(self, cursor: Cursor) -> Iterator[tuple[list[int], Cursor]]:
-        """Packed windows, each with the cursor just after it."""
+        """Packed windows, each with the cursor just after it, epoch after epoch."""
         width, tokenizer = self.seq_len + 1, self.stream.tokenizer
-        buffer: list[int] = []  # fewer than `width` tokens carried between documents
-        skip = cursor["token_offset"]  # only the first document resumes mid-way
-        for epoch, index, text in self._documents(cursor["epoch"], cursor["document"]):
-            if not text.strip():
-                continue  # an empty document would only add a BOS/EOS pair
-            ids = tokenizer.encode(text, bos=True, eos=True)
-            buffer.extend(ids[skip:] if skip else ids)
-            skip, start = 0, 0
-            while len(buffer) - start >= width:
-                start += width
-                left = len(buffer) - start  # all of this document's: the window took the carried ones
-                yield buffer[start - width : start], _cursor_after(epoch, index, len(ids) - left, len(ids))
-            buffer = buffer[start:]
+        buffer: list[int] = []  # fewer than `width` tokens carried between documents (and epochs)
+        epoch, first, skip = cursor["epoch"], cursor["document"], cursor["token_offset"]  # skip: the first only
+        while True:
+            read = _EpochCount()
+            for index, text in enumerate(self.stream.documents(first), start=first):
+                read.documents += 1
+                if not text.strip():
+                    read.blank += 1  # an empty document would only add a BOS/EOS pair
+                    continue
+                ids = tokenizer.encode(text, bos=True, eos=True)
+                read.tokens += len(ids)
+                buffer.extend(ids[skip:] if skip else ids)
+                skip, start = 0, 0
+                while len(buffer) - start >= width:
+                    start += width
+                    left = len(buffer) - start  # all of this document's: the window took the carried ones
+                    yield buffer[start - width : start], _cursor_after(epoch, index, len(ids) - left, len(ids))
+                buffer = buffer[start:]
+            self._end_epoch(epoch, first, read)
+            epoch, first = epoch + 1, 0
+
+    def _end_epoch(self, epoch: int, first: int, read: _EpochCount) -> None:
+        """Refuse data that can never fill a window; log the epoch at a bounded rate (epochs 1, 2, 4,
+        8, ...: a dataset smaller than a batch is re-read many times per step). A resumed epoch
+        (`first` > 0) was read in part, so only whole ones are judged."""
+        name, width = self.stream.name, self.seq_len + 1
+        if first == 0 and read.documents == read.blank:
+            reason = "it holds no documents" if not read.documents else f"all {read.documents} documents are blank"
+            raise ValueError(
+                f"dataset {name!r} yields no training sequences: {reason} (whitespace only counts as blank); check "
+                f"the path, its filter or the text field (training.dataset_text_field)"
+            )
+        batch_tokens = self.global_batch_size * width
+        if first == 0 and read.tokens < batch_tokens and not self._warned_small:
+            self._warned_small = True
+            logger.warning(
+                "dataset %s is smaller than one global batch: an epoch is %d tokens (%d documents), a global batch "
+                "%d sequences x %d tokens = %d, so each batch re-reads it ~%.0f times (sequences repeat within a "
+                "step); add data or lower the batch size or seq_len",
+                name, read.tokens, read.documents, self.global_batch_size, width, batch_tokens,
+                batch_tokens / read.tokens,
+            )  # fmt: skip
+        ended = epoch + 1
+        if ended & (ended - 1) == 0:  # a power of two
+            logger.info(
+                "dataset %s: epoch %d ended after %d documents; re-reading it from the start (epoch %d)%s",
+                name, epoch, first + read.documents, epoch + 1, "" if ended == 1 else f"; next report after epoch "
+                f"{2 * ended - 1}",
+            )  # fmt: skip
+
+
+@dataclass
+class _EpochCount:
+    """What one pass over the documents read."""
+
+    documents: int = 0
+    blank: int = 0
+    tokens: int = 0
 
 
 def _cursor_after(epoch: int, index: int, used: int, length: int) -> Cursor:
@@ -252,6 +286,23 @@ class TokenBatches:
     def _identity(self) -> dict[str, Any]:
         return {**self.source.identity(), "global_batch_size": self.global_batch, "seq_len": self.seq_len}
 
+    def _resume_settings(self, differ: dict[str, tuple[Any, Any]]) -> str:
+        """The config keys (and values) that make a saved state with these differences fit this job."""
+        keys = {"global_batch_size": "training.global_batch_size", "seq_len": "training.seq_len",
+                "seed": "training.seed", "dataset": "training.dataset_path (or training.dataset)"}  # fmt: skip
+        fixes = [f"{keys.get(k, k)}={saved!r}" for k, (saved, _) in differ.items()]
+        saved_batch = differ.get("global_batch_size", (None, None))[0]
+        if isinstance(saved_batch, int) and saved_batch % (self.local_batch_size * self.dp_size):
+            # the saved batch must still split into micro-batches over this dp degree
+            per_rank = saved_batch // self.dp_size if saved_batch % self.dp_size == 0 else 0
+            fixes.append(
+                f"training.local_batch_size={math.gcd(per_rank, self.local_batch_size)} (it must divide "
+                f"{saved_batch} / data-parallel degree {self.dp_size})"
+                if per_rank
+                else f"a data-parallel degree dividing {saved_batch} (this job's is {self.dp_size})"
+            )
+        return " and ".join(fixes)
+
     def state_dict(self) -> dict[str, Any]:
         """JSON-able: the global position, the source's cursor and what identifies the data."""
         return {**self._identity(), "position": self.position, "cursor": dict(self.cursor)}
@@ -265,7 +316,8 @@ class TokenBatches:
             shown = ", ".join(f"{k}: saved {s!r}, configured {c!r}" for k, (s, c) in differ.items())
             raise ValueError(
                 f"the saved data loader state does not match this job ({shown}): its position counts other "
-                f"batches; resume with the saved settings, or start the data afresh without the loader state"
+                f"batches; to resume exactly set {self._resume_settings(differ)}, or start the data afresh with "
+                f"checkpoint.exclude_from_loading=['dataloader']"
             )
         cursor = state.get("cursor", {})
         if set(cursor) != set(self.source.start_cursor()):
@@ -277,7 +329,7 @@ class TokenBatches:
 def _reader(dataset: Any, field: str, where: str, *, strip: bool) -> DocumentSource:
     """Documents of a streaming `datasets.IterableDataset`, their text in `field`."""
     features = getattr(dataset, "features", None)  # known up front for parquet and most JSON
-    if features is not None and field not in features:
+    if features and field not in features:  # none ({}): JSON of blank lines, refused once read as empty
         raise _missing_field(field, list(features), where)
 
     def read(skip: int) -> Iterator[str]:
@@ -299,18 +351,24 @@ def _missing_field(field: str, found: list[str], where: str) -> ValueError:
     )
 
 
-def local_documents(dataset_path: str, text_field: str) -> DocumentSource:
-    """Stream the files of `training.dataset_path` with `datasets`; .txt paragraphs are documents."""
+def local_documents(dataset_path: str, text_field: str, key: str = "training.dataset_path") -> DocumentSource:
+    """Stream the files of `dataset_path` (the config key `key`) with `datasets`; .txt paragraphs are documents."""
     import datasets  # imported here: the embedded corpus needs none of it (and it takes ~2 s)
 
-    builder, files = resolve_data_files(dataset_path)
+    builder, files = resolve_data_files(dataset_path, key)
     options = {"sample_by": "paragraph"} if builder == "text" else {}
-    dataset = datasets.load_dataset(
-        builder, data_files=[str(p) for p in files], split="train", streaming=True, **options
-    )
+    try:
+        dataset = datasets.load_dataset(
+            builder, data_files=[str(p) for p in files], split="train", streaming=True, **options
+        )
+    except StopIteration:  # the JSON builder's schema probe found no rows (it says nothing itself)
+        raise ValueError(
+            f"{key}={dataset_path!r}: {[str(p) for p in files[:3]]} hold no JSON rows to read; point {key} at "
+            f"files holding documents"
+        ) from None
     logger.info("dataset_path %s: %d %s file(s), streamed", dataset_path, len(files), builder)
     field = "text" if builder == "text" else text_field  # the text builder's one column
-    return _reader(dataset, field, f"training.dataset_path={dataset_path!r}", strip=builder == "text")
+    return _reader(dataset, field, f"{key}={dataset_path!r}", strip=builder == "text")
 
 
 def check_hub_reachable(name: str, endpoint: str) -> None:

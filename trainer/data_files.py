@@ -33,9 +33,11 @@ def _kind(path: Path) -> str | None:
     return _BUILDERS.get(suffixes[-1]) if suffixes else None
 
 
-def resolve_data_files(dataset_path: str) -> tuple[str, list[Path]]:
-    """(builder, files in a fixed order) of `training.dataset_path`: a file, a folder (searched
-    recursively, hidden entries skipped) or a glob; every file must be of one kind."""
+def resolve_data_files(dataset_path: str, key: str = "training.dataset_path") -> tuple[str, list[Path]]:
+    """(builder, files in a fixed order) of `training.dataset_path` (errors name `key`): a file, a folder
+    (searched recursively, hidden entries skipped) or a glob; every file must be of one kind. Empty
+    (0-byte) files hold no documents and are left out; when every file is empty this refuses, since
+    `datasets` would stop in a bare StopIteration (JSON) or ArrowInvalid (parquet)."""
     path = Path(dataset_path).expanduser()
     if path.is_file():
         files = [path]
@@ -49,18 +51,24 @@ def resolve_data_files(dataset_path: str) -> tuple[str, list[Path]]:
     elif glob.has_magic(dataset_path):
         files = [Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file()]
     else:
-        raise ValueError(f"training.dataset_path={dataset_path!r} does not exist; point it at a file, folder or glob")
+        raise ValueError(f"{key}={dataset_path!r} does not exist; point it at a file, folder or glob")
     files = sorted(files)
     supported = ", ".join(_BUILDERS)
     if not files:
-        raise ValueError(f"training.dataset_path={dataset_path!r} holds no data files; expected {supported} files")
+        raise ValueError(f"{key}={dataset_path!r} holds no data files; expected {supported} files")
     kinds = {p: _kind(p) for p in files}
     unknown = [str(p) for p, k in kinds.items() if k is None]
     if unknown:
-        raise ValueError(f"training.dataset_path={dataset_path!r}: {unknown[:3]} are not {supported} files")
+        raise ValueError(f"{key}={dataset_path!r}: {unknown[:3]} are not {supported} files")
     if len(set(kinds.values())) > 1:
         found = sorted({p.suffix for p in files})
+        raise ValueError(f"{key}={dataset_path!r} mixes file kinds {found}; point it at files of one kind")
+    nonempty = [p for p in files if p.stat().st_size > 0]
+    if not nonempty:
+        names = ", ".join(map(str, files[:3])) + (", ..." if len(files) > 3 else "")
+        shown = names if len(files) == 1 else f"all {len(files)} files ({names})"
         raise ValueError(
-            f"training.dataset_path={dataset_path!r} mixes file kinds {found}; point it at files of one kind"
+            f"{key}={dataset_path!r}: {shown} {'is' if len(files) == 1 else 'are'} empty (0 bytes), so there are no "
+            f"documents to train on; point {key} at files holding documents"
         )
-    return next(iter(kinds.values())), files  # type: ignore[return-value]
+    return next(iter(kinds.values())), nonempty  # type: ignore[return-value]

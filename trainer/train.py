@@ -32,6 +32,7 @@ from checkpoint.manager import CheckpointManager
 from checkpoint.stateful import ModelState, OptimizerState, RngState, Stateful
 from models.llama3 import Transformer, TransformerModelArgs, llama3_configs
 from models.llama3.parallelize import data_parallel_mesh, parallelize_llama
+from parallelisms.data_parallel import ReplicateModule
 from parallelisms.dtensor import DeviceMesh, DTensor, Partial
 from parallelisms.dtensor.init import layout_invariant_init
 from parallelisms.fsdp import FSDPModule, MixedPrecisionPolicy
@@ -43,7 +44,7 @@ from .data import TokenBatches, build_data_loader
 from .dump_folder import lock_dump_folder
 from .failure import report_failure, under_torchelastic
 from .garbage import GarbageCollection
-from .loss import IGNORE_INDEX, token_loss_sum
+from .loss import IGNORE_INDEX, CrossEntropy, build_cross_entropy, summed_cross_entropy, token_loss_sum
 from .lr_schedule import build_lr_scheduler
 from .metrics import MetricsLogger, flops_per_token
 from .optim import build_optimizer
@@ -212,10 +213,11 @@ def train_step(
     use_loss_parallel: bool,
     skip_nonfinite: bool,
     autocast: torch.dtype | None = None,
+    cross_entropy: CrossEntropy = summed_cross_entropy,
 ) -> StepResult:
     """One optimizer step over `micro_batches` (gradient accumulation; FSDP reduces only after
     the last). The loss is the sum of token losses over the whole step divided by its `targets`
-    (the global count), not a mean of means; times `dp_size` because FSDP averages gradients
+    (the global count), not a mean of means; times `dp_size` because FSDP and DDP average gradients
     over the dp ranks. With `skip_nonfinite` a non-finite gradient norm skips the update (deciding
     needs the norm on the host: one sync per step in that mode only); otherwise the loop's
     NonfiniteWatch stops the job at its next check.
@@ -223,11 +225,14 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)
     scale = dp_size / targets
     total: torch.Tensor | None = None
-    accumulate = isinstance(model, FSDPModule) and len(micro_batches) > 1
+    accumulate = isinstance(model, (FSDPModule, ReplicateModule)) and len(micro_batches) > 1
     for i, (inputs, labels) in enumerate(micro_batches):
         if accumulate and i in (0, len(micro_batches) - 1):  # off for the first, on for the last
             model.set_requires_gradient_sync(i > 0)  # type: ignore[operator]
-        loss = token_loss_sum(model, inputs, labels, autocast=autocast, vocab_parallel=use_loss_parallel) * scale
+        token_sum = token_loss_sum(
+            model, inputs, labels, autocast=autocast, vocab_parallel=use_loss_parallel, cross_entropy=cross_entropy
+        )
+        loss = token_sum * scale
         # the backward too runs inside loss_parallel, as torch requires (a fresh context per
         # micro-batch: a generator context cannot be entered twice)
         with loss_parallel() if use_loss_parallel else contextlib.nullcontext():
@@ -415,10 +420,13 @@ def build_checkpointer(
     cfg: JobConfig, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: LambdaLR, loader: TokenBatches,
     train_state: TrainState,
 ) -> CheckpointManager | None:  # fmt: skip
-    """The checkpoint manager over every stateful component, resumed already; None when off."""
-    if not cfg.checkpoint.enable:
+    """The checkpoint manager over every stateful component, resumed (or initialized) already; None when it
+    has nothing to do. An initial checkpoint loads whether or not saving is enabled."""
+    ckpt = cfg.checkpoint
+    if not (ckpt.enable or ckpt.initial_load_path or ckpt.initial_load_in_hf or ckpt.create_seed_checkpoint):
         return None
-    options = {k: v for k, v in dataclasses.asdict(cfg.checkpoint).items() if k not in ("enable", "folder")}
+    options = {k: v for k, v in dataclasses.asdict(ckpt).items() if k != "folder"}
+    options["hf_assets_path"] = cfg.model.hf_assets_path  # initial_load_in_hf's folder when initial_load_path is ""
     states: dict[str, Stateful] = {
         "model": ModelState(model), "optimizer": OptimizerState(model, optimizer), "lr_scheduler": scheduler,
         "dataloader": loader, "train_state": train_state, "rng": RngState(),
@@ -433,6 +441,9 @@ def build_checkpointer(
 def train(cfg: JobConfig, runtime: Runtime) -> list[float]:
     """Build everything from `cfg` and train up to `cfg.training.steps`; returns the logged losses."""
     c = build_components(cfg, runtime)
+    if c.checkpointer is not None and c.checkpointer.created_seed:  # checkpoint.create_seed_checkpoint
+        c.close()
+        return []
     training = cfg.training
     logger.info(
         "training %s/%s (%.2fM params) for %d steps on %s: %s, global batch %d x %d tokens (%d micro-batches of %d), "
@@ -455,6 +466,8 @@ def train_loop(cfg: JobConfig, runtime: Runtime, c: Components) -> list[float]:
     loss_parallel_on = use_loss_parallel(cfg, runtime.parallel_dims)
     losses: list[float] = []
     amp_dtype = autocast_dtype(cfg, runtime)
+    compile_loss = cfg.compile.enable and "loss" in cfg.compile.components and not loss_parallel_on
+    cross_entropy = build_cross_entropy(cfg.compile.backend if compile_loss else None)
     nonfinite = NonfiniteWatch(runtime.device)
     c.metrics.begin(state)
     tokens_since, data_since, t0 = 0, 0.0, time.perf_counter()
@@ -470,7 +483,7 @@ def train_loop(cfg: JobConfig, runtime: Runtime, c: Components) -> list[float]:
                 c.model, c.optimizer, micro,
                 targets=global_target_count([lab for _, lab in micro], runtime.parallel_dims, runtime.world_mesh),
                 dp_size=runtime.dp_size, max_norm=training.max_norm, use_loss_parallel=loss_parallel_on,
-                skip_nonfinite=training.skip_nonfinite_steps, autocast=amp_dtype,
+                skip_nonfinite=training.skip_nonfinite_steps, autocast=amp_dtype, cross_entropy=cross_entropy,
             )  # fmt: skip
             if not training.skip_nonfinite_steps:
                 nonfinite.note(step, result.grad_norm)

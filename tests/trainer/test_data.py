@@ -1,7 +1,8 @@
 """Data: the embedded corpus (shapes, shift, determinism, dp-disjoint and tp-identical streams), streamed local
 files (packing, document kinds, epochs, errors), hub names offline, the same global batch on every dp degree and
-accumulation split, the loader state resumed on another dp degree, and one ./run_train.sh on a tokenizer.json and
-JSON lines."""
+accumulation split, the loader state resumed on another dp degree (and the keys named when it cannot be), data that
+fills no batch (all blank, empty files, one tiny document), and one ./run_train.sh on a tokenizer.json and JSON
+lines."""
 
 from __future__ import annotations
 
@@ -314,3 +315,75 @@ def test_a_data_folder_under_a_hidden_directory_is_read_and_hidden_entries_insid
     _write_jsonl(folder / ".partial" / "junk.json", DOCS)
     builder, files = resolve_data_files(str(folder))
     assert builder == "json" and files == [folder / "data.json"]
+
+
+# -------------------------------------------------------------------------- data that fills no batch
+def _bounded(source: Callable[[int], object], reads: int = 50) -> Callable[[int], object]:
+    """`source`, failing the test once it is read more than `reads` times (a loader that would spin forever)."""
+    calls = itertools.count(1)
+
+    def read(skip: int) -> object:
+        assert next(calls) <= reads, f"the documents were re-read {reads} times without an error"
+        return source(skip)
+
+    return read
+
+
+def test_all_blank_documents_fail_at_the_first_fetch_naming_the_path(tmp_path: Path) -> None:
+    path = _write_jsonl(tmp_path / "blank.jsonl", ["   ", " ", "  \t "])
+    stream = DocumentStream(_bounded(local_documents(str(path), "text")), ByteTokenizer(), name=str(path))  # type: ignore[arg-type]
+    loader = TokenBatches(stream, local_batch_size=2, seq_len=31, dp_rank=0, dp_size=1, seed=0)
+    with pytest.raises(ValueError, match=rf"dataset '{path}' yields no training sequences: all 3 documents are blank"):
+        next(iter(loader))
+
+
+def test_an_empty_file_names_the_key_and_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from trainer.data_files import resolve_data_files
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_bytes(b"")
+    message = rf"training.dataset_path='{empty}': {empty} is empty \(0 bytes\)"
+    with pytest.raises(ValueError, match=message):
+        resolve_data_files(str(empty))
+    with pytest.raises(ValueError, match=message):
+        _stream_loader(empty)
+    with pytest.raises(ValueError, match=rf"validation.dataset_path='{tmp_path}': all 2 files .* are empty"):
+        (tmp_path / "other.jsonl").write_bytes(b"")
+        resolve_data_files(str(tmp_path), "validation.dataset_path")
+    _write_jsonl(tmp_path / "docs.jsonl", DOCS)  # beside data, an empty file is left out
+    assert resolve_data_files(str(tmp_path))[1] == [tmp_path / "docs.jsonl"]
+
+    import datasets
+
+    def no_rows(*args: object, **kwargs: object) -> None:
+        raise StopIteration  # what the JSON builder raises on files without rows
+
+    monkeypatch.setattr(datasets, "load_dataset", no_rows)
+    with pytest.raises(ValueError, match=r"training.dataset_path=.*hold no JSON rows to read"):
+        local_documents(str(tmp_path), "text")
+
+
+def test_a_tiny_dataset_logs_epochs_at_a_bounded_rate_and_warns_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One short document and a global batch of 8 x 32 tokens: ~20 epochs per batch."""
+    path = _write_jsonl(tmp_path / "one.jsonl", ["a short document"])
+    caplog.set_level(logging.INFO, logger="trainer.data")
+    loader = _stream_loader(path, global_batch_size=8, local_batch_size=8)
+    list(itertools.islice(iter(loader), 2))
+    epochs = [r.getMessage() for r in caplog.records if "ended after" in r.getMessage()]
+    assert 2 <= len(epochs) <= 7, epochs  # ~28 epochs read: reported after 1, 2, 4, 8, 16
+    assert epochs[1].startswith(f"dataset {path}: epoch 1 ended after 1 documents") and "after epoch 3" in epochs[1]
+    small = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(small) == 1 and "smaller than one global batch: an epoch is 18 tokens (1 documents)" in small[0], small
+
+
+def test_resuming_with_another_dp_degree_names_the_global_batch_key() -> None:
+    tokens = torch.arange(5000)
+    saved = TokenBatches(tokens, local_batch_size=2, seq_len=31, dp_rank=0, dp_size=2, seed=0).state_dict()
+    for dp, local, fix in ((1, 2, r"set training.global_batch_size=4, or start the data afresh"),
+                           (4, 2, r"training.global_batch_size=4 and training.local_batch_size=1 \(it must divide 4 "
+                                  r"/ data-parallel degree 4\)")):  # fmt: skip
+        resumed = TokenBatches(tokens, local_batch_size=local, seq_len=31, dp_rank=0, dp_size=dp, seed=0)
+        with pytest.raises(ValueError, match=rf"global_batch_size: saved 4, configured {local * dp}.* {fix}"):
+            resumed.load_state_dict(saved)

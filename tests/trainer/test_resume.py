@@ -1,5 +1,6 @@
 """Resuming through the trainer: 4 steps straight equal 2 + restart + 2, bitwise on the same layout
-and within fp32 tolerance on another parallelism (same data order), from the checkpoints' tensors."""
+and within fp32 tolerance on another parallelism (same data order), from the checkpoints' tensors; an
+initial checkpoint without checkpoint.enable, a seed checkpoint, Hugging Face weights on every layout."""
 
 from __future__ import annotations
 
@@ -175,3 +176,82 @@ def test_a_tied_model_saves_its_weight_once_and_resumes_bitwise(tmp_path) -> Non
     assert resumed == straight[2:], (straight, resumed)
     got = _tensors(tmp_path / "b" / "checkpoint" / "step-4")
     assert saved.keys() == got.keys() and all(torch.equal(saved[k], got[k]) for k in saved)
+
+
+# ------------------------------------------------------------------ torchtitan's [checkpoint] keys
+def test_an_initial_checkpoint_loads_without_checkpoint_enable(straight, tmp_path) -> None:
+    """initial_load_path with enable=false (initial_load_model_only=false: the whole state) continues the
+    run it names exactly, and nothing is saved."""
+    dump, losses = straight
+    argv = [a for a in _JOB if a != "--checkpoint.enable"]
+    argv += ["--checkpoint.initial_load_path", str(dump / "checkpoint" / "step-2"),
+             "--checkpoint.initial_load_model_only", "false", "--job.dump_folder", str(tmp_path)]  # fmt: skip
+    assert _losses(run_world(_train_rank, 2, argv)[0]) == losses[2:]
+    assert not (tmp_path / "checkpoint").exists()
+
+
+def test_a_seed_checkpoint_is_saved_without_training_and_starts_the_same_run(straight, tmp_path) -> None:
+    dump, losses = straight
+    seed = [*_JOB, "--checkpoint.create_seed_checkpoint", "--job.dump_folder", str(tmp_path)]
+    assert _losses(run_world(_train_rank, 2, seed)[0]) == []
+    assert committed_steps(tmp_path / "checkpoint") == [0]
+    assert _tensors(tmp_path / "checkpoint" / "step-0").keys() == {k for k in _tensors(dump / "checkpoint" / "step-2")
+                                                                   if k.startswith("model.")}  # fmt: skip
+    assert _run("fsdp2", tmp_path) == losses  # resumed from step-0, model only: the run from its init
+
+
+def _load_hf_rank(argv: list[str], hf_dir: str) -> dict[str, torch.Tensor]:
+    """This layout's model, filled from the Hugging Face folder `hf_dir` (initial_load_in_hf, enable=false),
+    gathered whole."""
+    import dataclasses
+
+    from checkpoint.manager import CheckpointManager
+    from checkpoint.stateful import ModelState
+    from parallelisms.dtensor import DTensor
+    from trainer.config import load_config
+    from trainer.train import Runtime, build_model_and_optimizer, build_parallel_dims
+
+    cfg = load_config(argv)
+    dims = build_parallel_dims(cfg.parallelism, torch.distributed.get_world_size())
+    model = build_model_and_optimizer(cfg, Runtime(dims, dims.build_mesh("cpu"), torch.device("cpu")), 258)[0]
+    meta = {"model_args": dataclasses.asdict(model.model_args)}
+    manager = CheckpointManager(Path(hf_dir).parent / "unused", {"model": ModelState(model)}, enable=False,
+                                initial_load_in_hf=True, initial_load_path=hf_dir, metadata=meta)  # fmt: skip
+    assert manager.load() == 0
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in ModelState(model).state_dict().items()}
+
+
+def test_initial_load_in_hf_fills_every_layout_with_the_converted_weights(tmp_path) -> None:
+    """FSDP over 3 ranks cuts wq / wk rows across heads (256 rows: 86, 86, 84), TP by whole heads."""
+    from checkpoint import convert
+
+    job = ["--job.config_file", str(REPO / "configs" / "debug_model.toml"), "--training.seq_len", "64"]
+    run_world(_save_initial_weights, 1, [*job, "--training.seed", "7"], str(tmp_path / "source"))
+    convert.to_hf(tmp_path / "source", tmp_path / "hf", flavor="debugmodel")
+    want = _tensors(tmp_path / "source")
+    layouts = {"fsdp3": (3, []), "tp2": (2, ["--parallelism.tensor_parallel_degree", "2",
+                                              "--parallelism.data_parallel_shard_degree", "1"])}  # fmt: skip
+    for name, (world_size, overrides) in layouts.items():
+        got = run_world(_load_hf_rank, world_size, [*job, *overrides], str(tmp_path / "hf"))[0]
+        assert {f"model.{k}" for k in got} == want.keys(), name
+        differ = [k for k in got if not torch.equal(got[k], want[f"model.{k}"])]
+        assert not differ, f"{name}: {differ[:3]} differ from the converted weights"
+
+
+def test_first_step_save_hf_last_save_and_load_only_through_the_trainer(tmp_path) -> None:
+    from checkpoint import convert
+
+    argv = [a for a in _JOB if a not in ("--checkpoint.last_save_model_only", "false")]
+    argv[argv.index("--training.steps") + 1] = "2"
+    argv[argv.index("--checkpoint.interval") + 1] = "100"
+    argv += ["--checkpoint.enable_first_step_checkpoint", "--checkpoint.last_save_in_hf", "--checkpoint.export_dtype",
+             "bfloat16", "--job.dump_folder", str(tmp_path)]  # fmt: skip
+    run_world(_train_rank, 2, argv)
+    folder = tmp_path / "checkpoint"
+    assert sorted(p.name for p in folder.iterdir()) == ["step-1", "step-2-hf"]
+    config = convert.hf_model_metadata(folder / "step-2-hf")[1]
+    assert config["job_config"]["model"]["flavor"] == "debugmodel"
+    argv[argv.index("--training.steps") + 1] = "3"
+    lines = run_world(_train_rank, 2, [*argv, "--checkpoint.load_only"])[0]
+    assert len(_losses(lines)) == 2  # resumed after step 1, saved nothing
+    assert sorted(p.name for p in folder.iterdir()) == ["step-1", "step-2-hf"]

@@ -1,0 +1,142 @@
+"""The trainer's live model <-> Hugging Face Llama safetensors folders (`checkpoint.initial_load_in_hf`,
+`checkpoint.last_save_in_hf`), on the conversion code of `checkpoint.convert` and models/llama3/hf_adapter.py.
+
+Loading maps names and the q/k rotary permutation at load time: every rank reads, with safetensors'
+mmap slices, only the box of each tensor its shard holds (for wq / wk the whole heads the box overlaps,
+since the permutation acts within a head), so no rank ever holds the whole model. Saving writes a
+model-only checkpoint next to the target (every rank its part, as any save) and converts it on rank 0
+with `to_hf`, which streams one tensor at a time and commits `OUT.tmp-<id>/` by renaming it: either
+way a crash leaves only `*.tmp-*` leftovers, never a half-written folder under the final name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+
+from models.llama3 import TransformerModelArgs
+from models.llama3 import hf_adapter as hf
+from parallelisms.dtensor import DTensor
+
+from .convert import HF_INDEX_FILE, hf_weight_files, to_hf
+from .distributed import save
+from .format import CheckpointError
+
+logger = logging.getLogger(__name__)
+
+
+def check_hf_folder(hf_dir: Path, key: str) -> dict[str, Path]:
+    """HF tensor name -> file of the folder `hf_dir` names (config key `key`); CheckpointError with the
+    fix when it is no folder of safetensors."""
+    fix = (
+        f"point {key} at a Hugging Face model folder (config.json and *.safetensors), or set "
+        f"checkpoint.initial_load_in_hf=false to load a meshtrain checkpoint"
+    )
+    if not hf_dir.is_dir():
+        raise CheckpointError(f"checkpoint.initial_load_in_hf: {key}={str(hf_dir)!r} is not a folder; {fix}")
+    if not (hf_dir / HF_INDEX_FILE).is_file() and not any(hf_dir.glob("*.safetensors")):
+        raise CheckpointError(
+            f"checkpoint.initial_load_in_hf: {key}={str(hf_dir)!r} holds no .safetensors files (PyTorch .bin "
+            f"checkpoints are pickles and are not read); {fix}"
+        )
+    try:
+        return hf_weight_files(hf_dir)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint.initial_load_in_hf: {e}; {fix}") from e
+
+
+def load_hf_model(
+    model: dict[str, torch.Tensor], hf_dir: Path, files: dict[str, Path], args: TransformerModelArgs
+) -> None:
+    """Fill `model` (our FQN -> this rank's DTensor or plain tensor, filled in place, cast to its dtype)
+    from the HF Llama safetensors `files` of `hf_dir`; every missing, extra or misshapen tensor is
+    reported at once."""
+    problems = []
+    wanted = {hf.to_hf_name(fqn): fqn for fqn in model}
+    for name in files:
+        if name not in wanted and not name.endswith(hf.HF_IGNORED_SUFFIXES) and not _tied_head(name, model):
+            problems.append(f"{name}: not a parameter of this job's model")
+    problems += [f"{name}: missing (for {fqn})" for name, fqn in wanted.items() if name not in files]
+    with contextlib.ExitStack() as stack:
+        opened: dict[Path, Any] = {}
+        for name, fqn in wanted.items():
+            if name not in files:
+                continue
+            path = files[name]
+            if path not in opened:
+                if not path.is_file():
+                    raise CheckpointError(f"{path} (listed in {hf_dir / HF_INDEX_FILE}) is missing")
+                opened[path] = stack.enter_context(safe_open(path, framework="pt"))
+            saved = opened[path].get_slice(name)
+            target = model[fqn]
+            if tuple(saved.get_shape()) != tuple(target.shape):
+                problems.append(f"{name}: shape {tuple(saved.get_shape())}, this job's {fqn} is {tuple(target.shape)}")
+                continue
+            local, offset = _shard(target)
+            if local.numel():
+                local.copy_(_read_box(saved, fqn, offset, tuple(local.shape), args))
+    if problems:
+        raise CheckpointError(
+            f"{hf_dir} does not fit this job's model ({len(problems)} problems):\n  " + "\n  ".join(problems[:20])
+        )
+
+
+def _tied_head(name: str, model: dict[str, torch.Tensor]) -> bool:
+    """HF's lm_head.weight of a tied model, which HF itself ignores (our tied model has no output.weight)."""
+    return name == "lm_head.weight" and "output.weight" not in model
+
+
+def _shard(target: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """The tensor this rank fills and its offset in the global tensor."""
+    if isinstance(target, DTensor):
+        _, offset = target._spec.local_shape_and_offset()
+        return target._local_tensor, tuple(offset)
+    return target, (0,) * target.ndim
+
+
+def _read_box(
+    saved: Any, fqn: str, offset: tuple[int, ...], shape: tuple[int, ...], args: TransformerModelArgs
+) -> torch.Tensor:
+    """Our tensor `fqn`'s box (offset, shape) from HF's slice `saved`. HF permutes the rows of wq / wk
+    within each head, so for those the rows of every head the box touches are read and un-permuted."""
+    box = tuple(slice(o, o + n) for o, n in zip(offset, shape))
+    rows = saved.get_shape()[0]
+    probe = torch.empty(rows, 1, device="meta")
+    if hf.from_hf_tensor(fqn, probe, args) is probe:  # not a rotated projection: the same layout in both
+        return saved[box]
+    head_dim = args.head_dim
+    first, last = offset[0] // head_dim, -(-(offset[0] + shape[0]) // head_dim)  # heads [first, last)
+    block = saved[(slice(first * head_dim, last * head_dim), *box[1:])]  # (heads * Dh, cols)
+    ours = hf.permute_from_hf(block, last - first)
+    start = offset[0] - first * head_dim
+    return ours[start : start + shape[0]]
+
+
+def save_hf_model(
+    model: dict[str, torch.Tensor], out: Path, *, dtype: str, metadata: dict[str, Any] | None, rank: int
+) -> Path:
+    """Write `model` (this rank's state dict) as the Hugging Face Llama folder `out` in `dtype`;
+    collective. CheckpointError on every rank when the conversion fails on rank 0."""
+    source = out.with_name(f"{out.name}.tmp-source")  # a leftover if anything dies: removed at the next start
+    target = getattr(torch, dtype)
+    save({"model": {k: v.to(target) for k, v in model.items()}}, source, metadata=metadata)
+    error: list[str | None] = [None]
+    if rank == 0:
+        try:
+            to_hf(source, out, dtype=dtype)
+        except (OSError, ValueError, TypeError) as e:
+            error[0] = f"{type(e).__name__}: {e}"
+        finally:
+            shutil.rmtree(source, ignore_errors=True)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(error, src=0)
+    if error[0] is not None:
+        raise CheckpointError(f"writing the Hugging Face folder {out} failed: {error[0]}")
+    return out
