@@ -23,7 +23,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 LAYOUTS = {  # name: (ranks, threads per rank, dp degree, --parallelism overrides)
     "one": (1, 2, 1, {"data_parallel_shard_degree": 1}),
-    "fsdp2": (2, 1, 2, {"data_parallel_shard_degree": 2}),
+    "fsdp2": (2, 1, 2, {"data_parallel_shard_degree": 2}),  # also what pure data parallelism did before DDP
+    "ddp2": (2, 1, 2, {"data_parallel_replicate_degree": 2, "data_parallel_shard_degree": 1}),
     "tp2": (2, 1, 1, {"data_parallel_shard_degree": 1, "tensor_parallel_degree": 2}),
     "fsdp2_tp2": (4, 1, 2, {"data_parallel_shard_degree": 2, "tensor_parallel_degree": 2}),
 }

@@ -4,6 +4,7 @@ the global target count (a mean of per-batch means would weigh short batches too
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -13,6 +14,21 @@ from parallelisms.tensor_parallel import loss_parallel
 
 IGNORE_INDEX = -100  # cross_entropy's default: such targets count neither in the loss nor in its divisor
 
+CrossEntropy = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum of the token cross-entropies of (N, V) float32 logits against (N,) labels, ignore_index excluded."""
+    return F.cross_entropy(logits, labels, reduction="sum", ignore_index=IGNORE_INDEX)
+
+
+def build_cross_entropy(compile_backend: str | None) -> CrossEntropy:
+    """The loss function, torch.compile'd with `compile_backend` (compile.components has "loss"; not
+    under loss parallelism, whose vocabulary-sharded logits are DTensors dynamo cannot trace)."""
+    if compile_backend is None:
+        return summed_cross_entropy
+    return torch.compile(summed_cross_entropy, backend=compile_backend)  # type: ignore[return-value]
+
 
 def token_loss_sum(
     model: nn.Module,
@@ -21,6 +37,7 @@ def token_loss_sum(
     *,
     autocast: torch.dtype | None = None,
     vocab_parallel: bool = False,
+    cross_entropy: CrossEntropy = summed_cross_entropy,
 ) -> torch.Tensor:
     """Sum of the token cross-entropies of `model(inputs)` against `labels` (ignore_index
     excluded), in float32; the forward under torch.autocast in `autocast` when given (mixed
@@ -30,6 +47,4 @@ def token_loss_sum(
     with torch.autocast(inputs.device.type, autocast) if autocast else contextlib.nullcontext():
         logits = model(inputs)  # (B, T, V)   S(-1) under loss parallelism
     with loss_parallel() if vocab_parallel else contextlib.nullcontext():
-        return F.cross_entropy(
-            logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum", ignore_index=IGNORE_INDEX
-        )  # (B*T, V) vs (B*T,)
+        return cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))  # (B*T, V) vs (B*T,)

@@ -59,7 +59,8 @@ def build_held_out_windows(
 ) -> WindowSource:
     """A window source yielding one (1, seq_len + 1) window per "global batch"; `one_pass` reads it once."""
     if dataset_path:
-        stream = DocumentStream(local_documents(dataset_path, text_field, key="validation.dataset_path"), tokenizer, name=dataset_path)
+        documents = local_documents(dataset_path, text_field, key="validation.dataset_path")
+        stream = DocumentStream(documents, tokenizer, name=dataset_path)
         return StreamedWindows(stream, seq_len=seq_len, global_batch_size=1)
     if dataset == "embedded":
         tokens = load_tokens(tokenizer, VALIDATION_CORPUS_PATH)

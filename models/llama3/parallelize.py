@@ -1,8 +1,8 @@
-"""How a Llama 3 model is parallelized: the TP/SP plan, activation checkpointing, torch.compile, FSDP.
+"""How a Llama 3 model is parallelized: the TP/SP plan, activation checkpointing, torch.compile, FSDP or DDP.
 
 Order (DESIGN.md section 4, torchtitan's): tensor/sequence parallel plan -> activation checkpointing ->
 per-block torch.compile -> fully_shard per block, then the embeddings, then the final norm and output,
-then the root.
+then the root; or, for pure data parallelism, `replicate` (DDP) of the whole model.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from parallelisms.activation_checkpoint import ACMode, apply_ac
+from parallelisms.data_parallel import replicate
 from parallelisms.dtensor import DeviceMesh, Replicate, Shard
 from parallelisms.fsdp import MixedPrecisionPolicy, fully_shard
 from parallelisms.parallel_dims import ParallelDims
@@ -48,20 +49,19 @@ def parallelize_llama(
     dp_mesh = data_parallel_mesh(parallel_dims, world_mesh)
     if dp_mesh is not None:
         apply_fsdp(model, dp_mesh, mp_policy or MixedPrecisionPolicy(), reshard_after_forward)
+    elif parallel_dims.dp_replicate_enabled:  # pure data parallelism is DDP: whole replicas, bucketed all-reduces
+        replicate(model, world_mesh["dp_replicate"])
     return model
 
 
 def data_parallel_mesh(parallel_dims: ParallelDims, world_mesh: DeviceMesh) -> DeviceMesh | None:
-    """The mesh fully_shard gets: (dp_replicate, dp_shard_cp) for HSDP, dp_shard_cp for FSDP, and
-    dp_replicate alone for pure data parallelism. The last shards too (ZeRO-3 rather than DDP's full
-    replicas): the same math with less memory, at one all-gather per group and step more; None
-    without data parallelism. TP parameters are then sharded again over it (FSDP x TP)."""
+    """The mesh fully_shard gets: (dp_replicate, dp_shard_cp) for HSDP, dp_shard_cp for FSDP; None
+    without sharded data parallelism (pure data parallelism replicates: DDP). TP parameters are then
+    sharded again over it (FSDP x TP)."""
     if parallel_dims.fsdp_enabled and parallel_dims.dp_replicate_enabled:
         return world_mesh["dp_replicate", "dp_shard_cp"]  # fully_shard reads a 2-D mesh by position
     if parallel_dims.fsdp_enabled:
         return world_mesh["dp_shard_cp"]
-    if parallel_dims.dp_replicate_enabled:
-        return world_mesh["dp_replicate"]
     return None
 
 

@@ -244,6 +244,14 @@ def start_all_gather_flat(local: torch.Tensor, group: ProcessGroup, *, async_op:
     return InFlight(out, work if async_op else None, local)
 
 
+def start_all_reduce_flat(flat: torch.Tensor, group: ProcessGroup, *, async_op: bool = False) -> InFlight:
+    """SUM the 1-D `flat` over the group in place (DDP's gradient buckets, pre-scaled by 1/n), in flight
+    (`async_op`) or complete; `wait()` returns `flat` itself."""
+    assert flat.ndim == 1 and flat.is_contiguous(), "start_all_reduce_flat takes a contiguous 1-D buffer"
+    work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return InFlight(flat, work if async_op else None, flat)
+
+
 def reduce_scatter_flat(flat: torch.Tensor, reduce_op: str, group: ProcessGroup) -> torch.Tensor:
     """Reduce the rank-major 1-D `flat` (n * k,) over the group and keep this rank's chunk: (k,).
 

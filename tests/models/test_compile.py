@@ -72,12 +72,12 @@ def test_fsdp2_trains_compiled_like_eager(tmp_path: Path) -> None:
     assert compiled == pytest.approx(eager, abs=1e-4), (compiled, eager)  # the line shows 4 decimals
 
 
-def test_preflight_refuses_compile_with_tp(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    """run_train.sh's pre-flight (trainer.preflight.main) exits 1 with the message, before torchrun."""
+def test_preflight_warns_of_compile_with_tp(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """run_train.sh's pre-flight (trainer.preflight.main) passes and says the blocks stay eager."""
     from trainer.preflight import main
 
     monkeypatch.setenv("NGPU", "2")
 
-    assert main(["--compile.enable", "--parallelism.tensor_parallel_degree", "2"]) == 1
+    assert main(["--compile.enable", "--parallelism.tensor_parallel_degree", "2"]) == 0
     last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert "config error: compile.enable=true with parallelism.tensor_parallel_degree(2)" in last, last
+    assert "config warning: compile.enable=true with parallelism.tensor_parallel_degree(2)" in last, last

@@ -118,3 +118,15 @@ def test_accumulation_under_tensor_parallelism(tmp_path: Path) -> None:
     micro = _losses(run_world(_train_rank, 2, [*argv, "--job.dump_folder", str(tmp_path / "b"),
                                                "--training.local_batch_size", "2"])[0])  # fmt: skip
     assert len(whole) == 3 and micro == pytest.approx(whole, abs=2e-4), (whole, micro)
+
+
+def test_pure_data_parallel_is_ddp_and_trains_exactly_like_fsdp2(tmp_path: Path) -> None:
+    """data_parallel_replicate_degree 2 alone replicates (DDP) rather than sharding; with accumulation too.
+    Averaging two gradients is exact in either order, so the losses are FSDP(2)'s to the last digit."""
+    argv = [*_SHORT_DEBUG_JOB, "--training.global_batch_size", "8"]
+    ddp = ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
+    fsdp = _losses(run_world(_train_rank, 2, [*argv, "--job.dump_folder", str(tmp_path / "fsdp")])[0])
+    lines = run_world(_train_rank, 2, [*argv, "--job.dump_folder", str(tmp_path / "ddp"), *ddp], "trainer.train")[0]
+    assert any("mesh_dim_names=('dp_replicate',)" in line for line in lines), lines
+    replicated = _losses(run_world(_train_rank, 2, [*argv, "--job.dump_folder", str(tmp_path / "ddp2"), *ddp])[0])
+    assert len(fsdp) == 3 and replicated == fsdp, (fsdp, replicated)
