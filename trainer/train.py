@@ -622,15 +622,23 @@ def teardown(device: torch.device, *, owns_group: bool) -> None:
 
 @record  # torchrun's error file for errors before the world exists (after it, report_failure writes it)
 def main(argv: list[str] | None = None) -> int:
+    from .failure import claim_agent_died
+    from .lifeline import watch_agent
+    from .nodes import locate_rank_zero
+
+    watch_agent(on_lost=claim_agent_died)  # first: an orphan (its agent killed) must stop, even mid-rendezvous
     cfg = load_config(sys.argv[1:] if argv is None else argv)
     device = build_device()
     owns_group = init_distributed(device, cfg.comm)
     setup_logging(dist.get_rank())
+    reports = owns_group and under_torchelastic()
+    # where rank 0 runs (the c10d rendezvous ignores NODE_RANK): logged on every node, and named in reports
+    rank_zero = locate_rank_zero(dist.distributed_c10d._get_default_store(), dist.get_rank()) if reports else None
     try:
         run_job(cfg, device, dist.get_world_size())
     except Exception as error:
-        if owns_group and under_torchelastic():
-            report_failure(error)  # once per job, by the first rank that failed; exits
+        if reports:
+            report_failure(error, rank_zero)  # once per job, by the first rank that failed; exits
         raise
     finally:
         teardown(device, owns_group=owns_group)

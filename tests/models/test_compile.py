@@ -72,7 +72,9 @@ def test_fsdp2_trains_compiled_like_eager(tmp_path: Path) -> None:
     assert compiled == pytest.approx(eager, abs=1e-4), (compiled, eager)  # the line shows 4 decimals
 
 
-def test_preflight_warns_of_compile_with_tp(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_preflight_warns_of_compile_with_tp(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """run_train.sh's pre-flight (trainer.preflight.main) passes and says the blocks stay eager."""
     from trainer.preflight import main
 

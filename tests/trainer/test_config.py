@@ -119,4 +119,5 @@ def test_nonfinite_numbers_are_config_errors(tmp_path: Path, raw: str) -> None:
 
 def test_list_of_lists_from_the_command_line() -> None:
     cfg = load_config(["--parallelism.module_fqns_per_model_part", "tok_embeddings,layers.0;layers.1,norm,output"])
-    assert cfg.parallelism.module_fqns_per_model_part == [["tok_embeddings", "layers.0"], ["layers.1", "norm", "output"]]
+    parts = cfg.parallelism.module_fqns_per_model_part
+    assert parts == [["tok_embeddings", "layers.0"], ["layers.1", "norm", "output"]]

@@ -5,17 +5,20 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
+from tests.trainer.test_processes import TRAIN_ARGS, Job, rank_of, wait_gone
 from tests.world import run_world
 from trainer.failure import claim_first_failure
-from trainer.launch import root_cause
+from trainer.launch import failure_summary, root_cause
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -24,18 +27,20 @@ def _claim(rank_delay: float) -> tuple[int, str] | None:
     time.sleep(rank_delay * dist.get_rank())  # rank 0 first, then 1, 2, 3
     first = claim_first_failure(dist.get_rank(), f"ValueError: from rank {dist.get_rank()}")
     dist.barrier()
-    return first
+    return None if first is None else (first.rank, first.summary)
 
 
 def test_every_rank_agrees_on_the_first_failure() -> None:
     assert run_world(_claim, 4, 0.2) == [(0, "ValueError: from rank 0")] * 4
 
 
-def _failure(tmp_path: Path, local_rank: int, exitcode: int, *, report: bool, timestamp: int) -> ProcessFailure:
+def _failure(
+    tmp_path: Path, local_rank: int, exitcode: int, *, report: bool, timestamp: int, error: str = "ValueError: bad"
+) -> ProcessFailure:
     error_file = tmp_path / f"error-{local_rank}.json"
     if report:
-        info = {"py_callstack": "Traceback ...\nValueError: bad", "timestamp": str(timestamp)}
-        error_file.write_text(json.dumps({"message": {"message": "ValueError: bad", "extraInfo": info}}))
+        info = {"py_callstack": f"Traceback ...\n{error}", "timestamp": str(timestamp)}
+        error_file.write_text(json.dumps({"message": {"message": error, "extraInfo": info}}))
     return ProcessFailure(local_rank=local_rank, pid=1000 + local_rank, exitcode=exitcode, error_file=str(error_file))
 
 
@@ -50,6 +55,57 @@ def test_the_root_cause_is_the_rank_with_a_report_not_an_earlier_bystander(tmp_p
     assert root_cause(failures) == 2
     del failures[2]
     assert root_cause(failures) == 1  # no report anywhere: an exit code beats a signal
+
+
+RESET = "RuntimeError: [gloo/transport/tcp/pair.cc:534] Read error [127.0.0.1]:4242: Connection reset by peer"
+
+
+def test_a_rank_killed_by_a_signal_is_the_root_cause_not_its_peers_broken_connections(tmp_path: Path) -> None:
+    """SIGKILL of rank 1 mid-collective: rank 0 reports the reset connection first and the agent
+    stops rank 2. Before, rank 0's follow-on was the root cause and the killed rank "stopped with it"."""
+    now = int(time.time())
+    failures = {
+        0: _failure(tmp_path, 0, 1, report=True, timestamp=now - 5, error=RESET),  # earlier, with a report
+        1: _failure(tmp_path, 1, -signal.SIGKILL, report=False, timestamp=now),
+        2: _failure(tmp_path, 2, -signal.SIGTERM, report=False, timestamp=now - 10),  # the agent's stop
+    }
+    assert root_cause(failures) == 1
+    summary = failure_summary(ChildFailedError("trainer.train", failures))
+    assert summary.splitlines() == [
+        "trainer.train failed on rank 1 (local rank 1, killed by SIGKILL):",
+        "rank 1 was killed by SIGKILL (from outside: kill -9 or the kernel's OOM killer)",
+        "stopped with it: ranks 0 (exit code 1), 2 (SIGTERM)",
+    ]
+    failures[1] = _failure(tmp_path, 1, -signal.SIGSEGV, report=False, timestamp=now)
+    assert root_cause(failures) == 1 and "killed by SIGSEGV (a crash in native code)" in failure_summary(
+        ChildFailedError("trainer.train", failures)
+    )
+    failures[3] = _failure(tmp_path, 3, 1, report=True, timestamp=now + 5, error="FloatingPointError: step 3")
+    assert root_cause(failures) == 3  # a real error report still wins over a signal
+    del failures[1], failures[3]
+    assert root_cause(failures) == 0  # no signal from outside: the broken connection beats the agent's SIGTERM
+
+
+@pytest.mark.e2e
+def test_a_rank_killed_during_a_checkpoint_save_is_named_the_root_cause(tmp_path: Path) -> None:
+    """kill -9 of rank 1 while every step saves: its peer's "Connection reset by peer" is not the cause."""
+    args = [*TRAIN_ARGS, "--checkpoint.enable", "--checkpoint.interval", "1", "--job.dump_folder", str(tmp_path)]
+    args[args.index("--training.steps") + 1] = "8"
+    job = Job(args, NGPU="2")
+    try:
+        job.wait_for("step 2 |", timeout=120)
+        victim = next(pid for pid in job.ranks if rank_of(pid) == 1)
+        os.kill(victim, signal.SIGKILL)
+        assert job.wait(timeout=60) == 1, job.output[-3000:]
+        out = job.output
+        summary = out[out.index("trainer.train failed on rank") :]
+        assert summary.startswith("trainer.train failed on rank 1 (local rank 1, killed by SIGKILL):"), out[-3000:]
+        assert "rank 1 was killed by SIGKILL (from outside: kill -9 or the kernel's OOM killer)" in summary
+        assert re.search(r"stopped with it: rank 0 \((exit code 1|SIGTERM)\)", summary), summary
+        assert "Connection reset" not in summary, summary
+        assert wait_gone(job.ranks, 5) == []
+    finally:
+        job.kill()
 
 
 @pytest.mark.e2e

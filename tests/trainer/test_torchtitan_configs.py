@@ -59,7 +59,7 @@ def test_torchtitan_config_passes_preflight_under_its_degrees(name: str, tokeniz
 
 def test_preflight_lists_every_unknown_key_at_once(tmp_path: Path) -> None:
     config = tmp_path / "job.toml"
-    config.write_text('[job]\nprint_confg = true\n[training]\nstepz = 3\n[quantize.linear.float9]\nemulate = true\n')
+    config.write_text("[job]\nprint_confg = true\n[training]\nstepz = 3\n[quantize.linear.float9]\nemulate = true\n")
     with pytest.raises(ValueError) as info:
         load_config(["--job.config_file", str(config), "--metrics.log_frek", "2"])
     message = str(info.value)

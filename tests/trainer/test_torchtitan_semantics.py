@@ -136,6 +136,6 @@ def test_selective_option_op_checkpoints_every_block() -> None:
 
 @pytest.mark.parametrize("policy, blocks", [("default", [True] * 5 + [False]), ("never", [False] * 6)])
 def test_fsdp_reshard_after_forward(policy: str, blocks: list[bool]) -> None:
-    """"default"/"always" free the unsharded blocks after forward (but the last, which backward needs first)."""
+    """ "default"/"always" free the unsharded blocks after forward (but the last, which backward needs first)."""
     argv = [*SHORT, "--parallelism.fsdp_reshard_after_forward", policy]
     assert run_world(_built, 2, argv)[0]["reshard"] == blocks
