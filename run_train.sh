@@ -11,6 +11,9 @@
 # Extra arguments override the config: ./run_train.sh --training.steps 20
 set -euo pipefail
 cd "$(dirname "$0")"
+for arg in "$@"; do  # every section and key with its type, default and doc; nothing is launched
+  if [ "$arg" = "--help" ] || [ "$arg" = "-h" ]; then exec python -m trainer.preflight --help; fi
+done
 # GPUs per node, without importing torch (5-15 s): nvidia-smi's list, narrowed to CUDA_VISIBLE_DEVICES
 # when it is set (CUDA stops at the first invalid entry, e.g. -1); 2 CPU ranks (gloo) when there is none.
 count_gpus() {

@@ -24,7 +24,7 @@ import json
 import logging
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -100,6 +100,7 @@ class CheckpointManager:
         self.resumed_step = 0
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self._pending: Future[Path] | None = None
+        self._pre_save_hooks: list[Callable[[], None]] = []
         self._executor: ThreadPoolExecutor | None = None
         self._group: dist.ProcessGroup | None = None
         if async_mode != "disabled" and self.saving:
@@ -222,14 +223,26 @@ class CheckpointManager:
             return False
         return last or step % self.interval == 0 or (step == 1 and self.enable_first_step_checkpoint)
 
-    def save_if_due(self, step: int, *, last: bool) -> None:
+    def save_if_due(self, step: int, *, last: bool) -> bool:
+        """Save when step `step` is due (see `is_due`); returns whether it was."""
         if not self.is_due(step, last=last):
-            return
+            return False
+        self.save(step, model_only=last and self.last_save_model_only)
+        return True
+
+    def add_pre_save_hook(self, hook: Callable[[], None]) -> None:
+        """Run `hook` before every save; it raises to refuse one (the trainer's non-finite guard: never save
+        weights a NaN step has spoilt)."""
+        self._pre_save_hooks.append(hook)
+
+    def save(self, step: int, *, model_only: bool = False) -> None:
+        """Save step `step` now: resumable, or only the model (in export_dtype, or as HF with last_save_in_hf)."""
+        for hook in self._pre_save_hooks:
+            hook()
         directory = self._dir(step)
         waited = time.perf_counter()
         self.wait()
         waited = time.perf_counter() - waited
-        model_only = last and self.last_save_model_only
         if model_only and self.last_save_in_hf:
             self._save_hf(step)
             return

@@ -159,9 +159,9 @@ def load_config(argv: list[str] | None = None) -> JobConfig:
     Every unknown key and bad value is reported in one error; `--help` prints the keys and exits."""
     argv = list(argv or [])
     if "--help" in argv or "-h" in argv:
-        from .config_help import config_help
+        from .config_help import print_help
 
-        print(config_help())
+        print_help()
         raise SystemExit(0)
     cfg = JobConfig()
     pairs = _split_cli(argv)

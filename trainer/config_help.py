@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import os
+import sys
 import typing
 from pathlib import Path
 from typing import Any
@@ -72,3 +74,11 @@ def config_help() -> str:
     for f in dataclasses.fields(JobConfig):
         lines += _section_lines(hints[f.name], f.name, docs)
     return "\n".join(lines)
+
+
+def print_help() -> None:
+    """The help on stdout; a reader that stops early (`| head`) ends it quietly."""
+    try:
+        print(config_help(), flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit

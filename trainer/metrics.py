@@ -11,11 +11,13 @@ time 12.3s`.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import resource
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -216,13 +218,16 @@ def format_summary(
 
 class MetricsLogger:
     """Turns what the loop measured into the metrics line and, if enabled, TensorBoard scalars (rank 0
-    only), and keeps what the end-of-run summary needs."""
+    only), and keeps what the end-of-run summary needs. It owns the log cadence (`should_log`: every
+    `log_freq` steps and the last) and the interval's counters: tokens (`count_step`), data time
+    (`timing_data`) and the training clock, which `paused()` stops around checkpoint saves and validation."""
 
     def __init__(
         self, *, flops_per_token: float, device: torch.device, total_steps: int, tb_folder: Path | None,
-        peak_tflops_override: float = 0.0, rank: int = 0,
+        peak_tflops_override: float = 0.0, rank: int = 0, log_freq: int = 1,
     ) -> None:  # fmt: skip
         self.flops_per_token, self.device, self.total_steps = flops_per_token, device, total_steps
+        self.log_freq = log_freq
         self.peak = peak_tflops(device, peak_tflops_override)
         if self.peak is None and device.type == "cuda" and rank == 0:
             logger.warning(
@@ -238,8 +243,10 @@ class MetricsLogger:
 
     def begin(self, state: TrainState) -> None:
         """Start the run's clock at `state` (a resumed job continues after state.step)."""
+        self.losses: list[float] = []  # every logged loss, in order
         self._start = TrainState(**state.state_dict())  # a copy: the loop advances `state`
         self._last_step, self._start_time = state.step, time.perf_counter()
+        self._reset_interval(self._start_time)
         self._last_time = self._start_time
         self._recent: collections.deque[tuple[float, int]] = collections.deque(maxlen=ETA_WINDOW)
         # what the summary needs, not every StepMetrics: a long run logs 10^5 times
@@ -277,6 +284,47 @@ class MetricsLogger:
             for name, value in tensorboard_scalars(m).items():
                 self.writer.add_scalar(name, value, step)
         return m
+
+    # ---------------------------------------------------------------------- cadence and counters
+    def should_log(self, step: int) -> bool:
+        return step % self.log_freq == 0 or step == self.total_steps
+
+    def count_step(self, tokens: int) -> None:
+        """One step of `tokens` per device (tokens_per_device) into the interval."""
+        self._tokens += tokens
+
+    @contextlib.contextmanager
+    def timing_data(self) -> Iterator[None]:
+        """Time spent fetching and copying batches: part of the step, reported as its data share."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._data_seconds += time.perf_counter() - start
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Not training (a checkpoint save, validation): tok/s leaves it out; the ETA keeps it."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._paused_seconds += time.perf_counter() - start
+
+    def log_interval(self, step: int, *, loss: float, grad_norm: float, lr: float) -> StepMetrics:
+        """Log the interval ending at `step` from its counters, then start the next one."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the step's kernels are in the time
+        seconds = time.perf_counter() - self._interval_start - self._paused_seconds
+        m = self.log(step, loss=loss, grad_norm=grad_norm, lr=lr, tokens=self._tokens, seconds=seconds,
+                     data_seconds=self._data_seconds)  # fmt: skip
+        self.losses.append(loss)
+        self._reset_interval(self._last_time)  # the clock `log` read
+        return m
+
+    def _reset_interval(self, now: float) -> None:
+        self._tokens, self._data_seconds, self._paused_seconds = 0, 0.0, 0.0
+        self._interval_start = now
 
     def log_summary(self, state: TrainState) -> str:
         """Log the end-of-run summary line (over this run's logs; a resumed run starts at its resume)."""

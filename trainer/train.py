@@ -7,15 +7,12 @@ the whole JobConfig; every `build_*` gets its own section or explicit arguments.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gc
 import importlib
 import logging
-import math
 import os
 import sys
-import time
 import weakref
 from dataclasses import dataclass
 from datetime import timedelta
@@ -31,25 +28,25 @@ from torch.optim.lr_scheduler import LambdaLR
 from checkpoint.manager import CheckpointManager
 from checkpoint.stateful import ModelState, OptimizerState, RngState, Stateful
 from models.llama3 import Transformer, TransformerModelArgs, llama3_configs
-from models.llama3.parallelize import data_parallel_mesh, parallelize_llama
-from parallelisms.data_parallel import ReplicateModule
-from parallelisms.dtensor import DeviceMesh, DTensor, Partial
+from models.llama3.parallelize import parallelize_llama
 from parallelisms.dtensor.init import layout_invariant_init
-from parallelisms.fsdp import FSDPModule, MixedPrecisionPolicy
+from parallelisms.fsdp import MixedPrecisionPolicy
 from parallelisms.parallel_dims import ParallelDims
-from parallelisms.tensor_parallel import loss_parallel
 
 from .config import Comm, JobConfig, Parallelism, load_config, save_config, to_toml
 from .data import TokenBatches, build_data_loader
 from .dump_folder import lock_dump_folder
 from .failure import report_failure, under_torchelastic
 from .garbage import GarbageCollection
-from .loss import IGNORE_INDEX, CrossEntropy, build_cross_entropy, summed_cross_entropy, token_loss_sum
+from .loss import build_cross_entropy
 from .lr_schedule import build_lr_scheduler
 from .metrics import MetricsLogger, flops_per_token
 from .optim import build_optimizer
+from .preemption import PreemptionWatch
 from .preflight import check_config
 from .profiling import Profiler
+from .runtime import Runtime, build_runtime
+from .step import NonfiniteWatch, fetch_micro_batches, global_target_count, reduce_loss, tokens_per_device, train_step
 from .tokenizer import Tokenizer, build_model_tokenizer, model_vocab_size
 from .train_state import TrainState
 from .validate import ScalarWriter, Validator, build_held_out_windows
@@ -77,11 +74,19 @@ def build_device() -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(device: torch.device, comm: Comm) -> bool:
+def init_distributed(device: torch.device, comm: Comm, dump_folder: str = "./outputs") -> bool:
     """Join torchrun's world, or a 1-rank world when run without torchrun. Reuses an existing default
     process group (e.g. a test world). Returns whether this call created it (and so must destroy it)."""
     if dist.is_initialized():
         return False
+    if device.type == "cuda" and comm.trace_buf_size > 0:  # NCCL's flight recorder, dumped on a timeout
+        traces = Path(dump_folder) / comm.save_traces_folder
+        traces.mkdir(parents=True, exist_ok=True)
+        for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"):  # torch's new name, then its old one
+            os.environ.setdefault(name, str(comm.trace_buf_size))
+        for name in ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):
+            os.environ.setdefault(name, str(traces / comm.save_traces_file_prefix))
+        os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
     # torch.distributed.nn.functional binds group.WORLD into its functions' default arguments when
     # first imported, which would keep the default group alive past destroy_process_group() until
     # interpreter exit (see teardown). torch._dynamo imports it lazily (the optimizer's first step
@@ -143,137 +148,6 @@ def init_model(model: Transformer, device: torch.device) -> None:
         model.init_weights(buffer_device=device)
 
 
-def dp_coordinates(parallel_dims: ParallelDims, world_mesh: DeviceMesh) -> tuple[int, int]:
-    """(rank, size) on the data-loading "dp" dim; (0, 1) when there is no data parallelism."""
-    dp_size = parallel_dims.dp_replicate * parallel_dims.dp_shard
-    if dp_size == 1:
-        return 0, 1
-    return world_mesh["dp"].get_local_rank(), dp_size
-
-
-# -------------------------------------------------------------------------------------- step
-def reduce_loss(loss: torch.Tensor, parallel_dims: ParallelDims, world_mesh: DeviceMesh) -> float:
-    """The loss averaged over the data-parallel ranks (each saw a different batch), as a float."""
-    loss = loss.detach()
-    if isinstance(loss, DTensor):  # under loss_parallel: a DTensor over tp
-        loss = loss.full_tensor()
-    if parallel_dims.dp_cp_enabled:
-        loss = DTensor.from_local(loss, world_mesh["dp_cp"], [Partial("avg")]).full_tensor()
-    return loss.item()
-
-
-@dataclass(frozen=True)
-class StepResult:
-    loss: torch.Tensor  # this rank's share of the global mean token loss (averaging over dp gives it)
-    grad_norm: torch.Tensor  # the global gradient 2-norm before clipping (0-d, on the device)
-    skipped: bool  # a non-finite step whose optimizer update was skipped
-
-
-class NonfiniteWatch:
-    """Remembers, on the device, the first step whose gradient norm was not finite, so the default
-    (stop on NaN/inf) costs no host sync per step: `check` reads it where the loop syncs anyway (the
-    log step, before a checkpoint is saved, at the end) and stops the job naming that step."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.first = torch.zeros((), dtype=torch.int64, device=device)  # 0: every step so far was finite
-
-    def note(self, step: int, grad_norm: torch.Tensor) -> None:
-        bad = ~torch.isfinite(grad_norm) & (self.first == 0)
-        self.first = torch.where(bad, step, self.first)
-
-    def check(self) -> None:
-        first = int(self.first.item())
-        if first:
-            raise FloatingPointError(
-                f"step {first}: the gradient norm is not finite (a non-finite loss or gradient); lower "
-                f"optimizer.lr or raise lr_scheduler.warmup_steps, or set training.skip_nonfinite_steps=true "
-                f"to skip such steps"
-            )
-
-
-def global_target_count(
-    labels: list[torch.Tensor], parallel_dims: ParallelDims, world_mesh: DeviceMesh
-) -> torch.Tensor:
-    """Targets (ignore_index excluded) in the whole step: every micro-batch on every dp rank.
-    One all_reduce of a scalar, left on the device (no host sync)."""
-    local = sum((lab != IGNORE_INDEX).sum() for lab in labels).to(torch.float32)  # type: ignore[union-attr]
-    if parallel_dims.dp_cp_enabled:
-        local = DTensor.from_local(local, world_mesh["dp_cp"], [Partial("sum")]).full_tensor()
-    return local
-
-
-def train_step(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
-    *,
-    targets: torch.Tensor,
-    dp_size: int,
-    max_norm: float,
-    use_loss_parallel: bool,
-    skip_nonfinite: bool,
-    autocast: torch.dtype | None = None,
-    cross_entropy: CrossEntropy = summed_cross_entropy,
-) -> StepResult:
-    """One optimizer step over `micro_batches` (gradient accumulation; FSDP reduces only after
-    the last). The loss is the sum of token losses over the whole step divided by its `targets`
-    (the global count), not a mean of means; times `dp_size` because FSDP and DDP average gradients
-    over the dp ranks. With `skip_nonfinite` a non-finite gradient norm skips the update (deciding
-    needs the norm on the host: one sync per step in that mode only); otherwise the loop's
-    NonfiniteWatch stops the job at its next check.
-    `autocast`: run forward and loss under torch.autocast in this dtype (mixed precision without FSDP)."""
-    optimizer.zero_grad(set_to_none=True)
-    scale = dp_size / targets
-    total: torch.Tensor | None = None
-    accumulate = isinstance(model, (FSDPModule, ReplicateModule)) and len(micro_batches) > 1
-    for i, (inputs, labels) in enumerate(micro_batches):
-        if accumulate and i in (0, len(micro_batches) - 1):  # off for the first, on for the last
-            model.set_requires_gradient_sync(i > 0)  # type: ignore[operator]
-        token_sum = token_loss_sum(
-            model, inputs, labels, autocast=autocast, vocab_parallel=use_loss_parallel, cross_entropy=cross_entropy
-        )
-        loss = token_sum * scale
-        # the backward too runs inside loss_parallel, as torch requires (a fresh context per
-        # micro-batch: a generator context cannot be entered twice)
-        with loss_parallel() if use_loss_parallel else contextlib.nullcontext():
-            loss.backward()
-        total = loss.detach() if total is None else total + loss.detach()
-    assert total is not None, "a step needs at least one micro-batch"
-    params = [p for p in model.parameters() if p.grad is not None]
-    clip = max_norm if max_norm > 0 else float("inf")
-    norm = torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
-    grad_norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
-    if skip_nonfinite and not math.isfinite(grad_norm.item()):
-        optimizer.zero_grad(set_to_none=True)
-        return StepResult(total, grad_norm, skipped=True)
-    optimizer.step()
-    return StepResult(total, grad_norm, skipped=False)
-
-
-def tokens_per_device(micro_batches: list[tuple[torch.Tensor, torch.Tensor]], parallel_dims: ParallelDims) -> int:
-    """This step's tokens per device, torchtitan's definition behind tok/s and MFU: the ranks of one
-    tp x cp x pp group all process the same local tokens, so each device is credited its share."""
-    return sum(inputs.numel() for inputs, _ in micro_batches) // parallel_dims.non_data_parallel_size
-
-
-def use_loss_parallel(cfg: JobConfig, parallel_dims: ParallelDims) -> bool:
-    """Logits stay sharded on the vocabulary for the loss: only with TP, and when enabled."""
-    return parallel_dims.tp_enabled and cfg.parallelism.enable_loss_parallel
-
-
-@dataclass(frozen=True)
-class Runtime:
-    """Where the job runs: its parallel degrees, the world mesh and this rank's device."""
-
-    parallel_dims: ParallelDims
-    world_mesh: DeviceMesh
-    device: torch.device
-
-    @property
-    def dp_size(self) -> int:
-        return self.parallel_dims.dp_replicate * self.parallel_dims.dp_shard
-
-
 @dataclass(frozen=True)
 class Components:
     """Everything the loop drives; each stateful piece owns its state (`state_dict`) and the
@@ -297,31 +171,6 @@ class Components:
             self.metrics.close()
 
 
-def compute_dtypes(cfg: JobConfig, device: torch.device) -> tuple[torch.dtype | None, torch.dtype | None]:
-    """(param, reduce) dtypes of mixed precision; (None, None), plain float32, on the CPU."""
-    if device.type != "cuda":
-        return None, None
-    dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-    param, reduce = dtypes[cfg.training.mixed_precision_param], dtypes[cfg.training.mixed_precision_reduce]
-    return (None if param == torch.float32 else param), reduce
-
-
-def autocast_dtype(cfg: JobConfig, runtime: Runtime) -> torch.dtype | None:
-    """Without FSDP nothing casts the parameters, so the forward runs under torch.autocast in the
-    mixed-precision dtype (torchtitan's choice on one device); None when FSDP does it or in float32."""
-    param_dtype, _ = compute_dtypes(cfg, runtime.device)
-    fsdp = data_parallel_mesh(runtime.parallel_dims, runtime.world_mesh) is not None
-    return None if fsdp else param_dtype
-
-
-def precision_summary(cfg: JobConfig, runtime: Runtime) -> str:
-    if compute_dtypes(cfg, runtime.device)[0] is None:
-        where = "" if runtime.device.type == "cuda" else " (the CPU ignores training.mixed_precision_*)"
-        return f"float32{where}"
-    how = "autocast" if autocast_dtype(cfg, runtime) else f"FSDP params, {cfg.training.mixed_precision_reduce} reduce"
-    return f"mixed precision {cfg.training.mixed_precision_param} ({how})"
-
-
 def build_model_and_optimizer(
     cfg: JobConfig, runtime: Runtime, vocab_size: int
 ) -> tuple[nn.Module, torch.optim.Optimizer, LambdaLR]:
@@ -329,11 +178,10 @@ def build_model_and_optimizer(
     # identical on every rank (run_job resolved a None seed): the init fills stay in step
     torch.manual_seed(cast(int, cfg.training.seed))
     model = build_model(cfg, vocab_size)
-    param_dtype, reduce_dtype = compute_dtypes(cfg, runtime.device)
-    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    mp_policy = MixedPrecisionPolicy(param_dtype=runtime.precision.param, reduce_dtype=runtime.precision.reduce)
     ac, p = cfg.activation_checkpoint, cfg.parallelism
     parallelize_llama(
-        model, runtime.parallel_dims, runtime.world_mesh, loss_parallel=use_loss_parallel(cfg, runtime.parallel_dims),
+        model, runtime.parallel_dims, runtime.world_mesh, loss_parallel=runtime.loss_parallel,
         ac_mode=ac.mode, ac_selective_option=ac.selective_ac_option, ac_early_stop=ac.early_stop, mp_policy=mp_policy,
         reshard_after_forward=p.fsdp_reshard_after_forward != "never",  # "default": always, until PP exists
         compile_backend=cfg.compile.backend if cfg.compile.enable and "model" in cfg.compile.components else None,
@@ -362,11 +210,10 @@ def build_components(cfg: JobConfig, runtime: Runtime) -> Components:
     model, optimizer, scheduler = build_model_and_optimizer(
         cfg, runtime, model_vocab_size(tokenizer, cfg.model.vocab_size)
     )
-    dp_rank, dp_size = dp_coordinates(runtime.parallel_dims, runtime.world_mesh)
     loader = build_data_loader(
         training.dataset, tokenizer, dataset_path=training.dataset_path, text_field=training.dataset_text_field,
         local_batch_size=training.local_batch_size, seq_len=training.seq_len,
-        dp_rank=dp_rank, dp_size=dp_size, seed=training.seed,
+        dp_rank=runtime.dp_rank, dp_size=runtime.dp_size, seed=training.seed,
         global_batch_size=training.global_batch_size if training.global_batch_size > 0 else None,
     )  # fmt: skip
     args = cast(TransformerModelArgs, model.model_args)
@@ -376,7 +223,7 @@ def build_components(cfg: JobConfig, runtime: Runtime) -> Components:
     tb_folder = tensorboard_folder(cfg, dist.get_rank())
     metrics = MetricsLogger(
         flops_per_token=fpt, device=runtime.device, total_steps=training.steps, tb_folder=tb_folder,
-        peak_tflops_override=cfg.metrics.peak_tflops, rank=dist.get_rank(),
+        peak_tflops_override=cfg.metrics.peak_tflops, rank=dist.get_rank(), log_freq=cfg.metrics.log_freq,
     )  # fmt: skip
     train_state = TrainState()
     checkpointer = build_checkpointer(cfg, model, optimizer, scheduler, loader, train_state)
@@ -406,13 +253,11 @@ def build_validator(
         val.dataset, tokenizer, dataset_path=val.dataset_path, text_field=training.dataset_text_field,
         seq_len=val.seq_len or training.seq_len, seed=training.seed,
     )  # fmt: skip
-    dp_rank, dp_size = dp_coordinates(runtime.parallel_dims, runtime.world_mesh)
     return Validator(
         source, freq=val.freq, steps=val.steps, local_batch_size=val.local_batch_size or training.local_batch_size,
-        last_step=training.steps, dp_rank=dp_rank, dp_size=dp_size,
-        dp_mesh=runtime.world_mesh["dp_cp"] if runtime.parallel_dims.dp_cp_enabled else None,
-        use_loss_parallel=use_loss_parallel(cfg, runtime.parallel_dims), device=runtime.device, writer=writer,
-        autocast=autocast_dtype(cfg, runtime),
+        last_step=training.steps, dp_rank=runtime.dp_rank, dp_size=runtime.dp_size, dp_mesh=runtime.dp_cp_mesh,
+        use_loss_parallel=runtime.loss_parallel, device=runtime.device, writer=writer,
+        autocast=runtime.precision.autocast,
     )  # fmt: skip
 
 
@@ -450,7 +295,7 @@ def train(cfg: JobConfig, runtime: Runtime) -> list[float]:
         "%s",
         cfg.model.name, cfg.model.flavor, sum(p.numel() for p in c.model.parameters()) / 1e6, training.steps,
         runtime.device, runtime.world_mesh, c.loader.global_batch, training.seq_len, c.loader.accumulation_steps,
-        training.local_batch_size, precision_summary(cfg, runtime),
+        training.local_batch_size, runtime.precision.summary(runtime.device, training.mixed_precision_reduce),
     )  # fmt: skip
     try:
         with c.profiler:
@@ -460,82 +305,58 @@ def train(cfg: JobConfig, runtime: Runtime) -> list[float]:
 
 
 def train_loop(cfg: JobConfig, runtime: Runtime, c: Components) -> list[float]:
-    """Steps `c.train_state.step + 1 .. training.steps`: fetch, step, log, save."""
+    """Steps `c.train_state.step + 1 .. training.steps`: fetch, step, advance the state, then each
+    component's end of step (it decides its own cadence). Returns the logged losses."""
     training, state = cfg.training, c.train_state
-    batches = iter(c.loader)
-    loss_parallel_on = use_loss_parallel(cfg, runtime.parallel_dims)
-    losses: list[float] = []
-    amp_dtype = autocast_dtype(cfg, runtime)
-    compile_loss = cfg.compile.enable and "loss" in cfg.compile.components and not loss_parallel_on
+    batches, first_step = iter(c.loader), state.step + 1
+    compile_loss = cfg.compile.enable and "loss" in cfg.compile.components and not runtime.loss_parallel
     cross_entropy = build_cross_entropy(cfg.compile.backend if compile_loss else None)
-    nonfinite = NonfiniteWatch(runtime.device)
+    nonfinite = NonfiniteWatch(runtime.device, skip=training.skip_nonfinite_steps,
+                               max_consecutive_skips=training.max_consecutive_skipped_steps)  # fmt: skip
+    if c.checkpointer is not None:
+        c.checkpointer.add_pre_save_hook(nonfinite.check)  # never save weights a non-finite step spoilt
+    saving = c.checkpointer is not None and c.checkpointer.saving
     c.metrics.begin(state)
-    tokens_since, data_since, t0 = 0, 0.0, time.perf_counter()
-    first_step, skipped_in_a_row = state.step + 1, 0
-    with GarbageCollection(training.gc_freq, debug=training.gc_debug) as collector:
+    with (
+        GarbageCollection(training.gc_freq, debug=training.gc_debug) as collector,
+        PreemptionWatch(enabled=saving) as preemption,
+    ):
         for step in range(first_step, training.steps + 1):
-            fetch = time.perf_counter()
-            micro = [(x.to(runtime.device), y.to(runtime.device)) for x, y in
-                     (next(batches) for _ in range(c.loader.accumulation_steps))]  # fmt: skip
-            data_since += time.perf_counter() - fetch  # next(batches) and the host-to-device copies
+            with c.metrics.timing_data():
+                micro = fetch_micro_batches(batches, c.loader.accumulation_steps, runtime.device)
             lr = float(c.scheduler.get_last_lr()[0])
             result = train_step(
-                c.model, c.optimizer, micro,
-                targets=global_target_count([lab for _, lab in micro], runtime.parallel_dims, runtime.world_mesh),
-                dp_size=runtime.dp_size, max_norm=training.max_norm, use_loss_parallel=loss_parallel_on,
-                skip_nonfinite=training.skip_nonfinite_steps, autocast=amp_dtype, cross_entropy=cross_entropy,
+                c.model, c.optimizer, micro, targets=global_target_count([y for _, y in micro], runtime.dp_cp_mesh),
+                dp_size=runtime.dp_size, max_norm=training.max_norm, use_loss_parallel=runtime.loss_parallel,
+                skip_nonfinite=training.skip_nonfinite_steps, autocast=runtime.precision.autocast,
+                cross_entropy=cross_entropy,
             )  # fmt: skip
-            if not training.skip_nonfinite_steps:
-                nonfinite.note(step, result.grad_norm)
-            if result.skipped:
-                state.skipped_steps += 1
-                skipped_in_a_row += 1
-                logger.warning("step %d: non-finite gradient norm, optimizer step skipped (%d so far)", step,
-                               state.skipped_steps)  # fmt: skip
-                check_skips(step, skipped_in_a_row, training.max_consecutive_skipped_steps)
-            else:
-                skipped_in_a_row = 0
+            nonfinite.observe(step, result)
             c.scheduler.step()
-            state.step = step
-            state.tokens_seen += sum(x.numel() for x, _ in micro) * runtime.dp_size
-            tokens_since += tokens_per_device(micro, runtime.parallel_dims)
-            if step % cfg.metrics.log_freq == 0 or step == training.steps:
-                global_loss = reduce_loss(result.loss, runtime.parallel_dims, runtime.world_mesh)
-                if runtime.device.type == "cuda":
-                    torch.cuda.synchronize(runtime.device)
+            state.advance(step, tokens=sum(x.numel() for x, _ in micro) * runtime.dp_size, skipped=result.skipped)
+            c.metrics.count_step(tokens_per_device(micro, runtime.parallel_dims))
+            if c.metrics.should_log(step):
                 nonfinite.check()  # the host waits here anyway
-                c.metrics.log(step, loss=global_loss, grad_norm=float(result.grad_norm), lr=lr, tokens=tokens_since,
-                              seconds=time.perf_counter() - t0, data_seconds=data_since)  # fmt: skip
-                losses.append(global_loss)
-                tokens_since, data_since, t0 = 0, 0.0, time.perf_counter()
-            if c.checkpointer is not None and c.checkpointer.is_due(step, last=step == training.steps):
-                nonfinite.check()  # never save weights a non-finite step has already spoilt
-                saving = time.perf_counter()
-                c.checkpointer.save_if_due(step, last=step == training.steps)
-                t0 += time.perf_counter() - saving  # a save is not training: tok/s leaves it out
-            if c.validator is not None and c.validator.should_validate(step):
-                validating = time.perf_counter()
-                c.validator.validate(c.model, step)
-                t0 += time.perf_counter() - validating  # nor is validation
+                loss = reduce_loss(result.loss, runtime.dp_cp_mesh)
+                c.metrics.log_interval(step, loss=loss, grad_norm=float(result.grad_norm), lr=lr)
+            with c.metrics.paused():  # not training: tok/s leaves these out
+                saved = c.checkpointer is not None and c.checkpointer.save_if_due(step, last=step == training.steps)
+                if c.validator is not None:
+                    c.validator.validate_if_due(c.model, step)
+            if preemption.requested():  # collective: every rank stops at the same step
+                if not saved:
+                    c.checkpointer.save(step)  # type: ignore[union-attr]
+                raise preemption.stop(step, saved=True)
             if step == first_step:  # it may have compiled or loaded: init_timeout_seconds covered it
                 set_collective_timeout(runtime, cfg.comm.train_timeout_seconds)
             collector.step(step)
             c.profiler.step()
-    if losses:
+    nonfinite.check()
+    if c.metrics.losses:
         c.metrics.log_summary(state)
     else:
         logger.info("training done: nothing left to train (resumed at step %d of %d)", state.step, training.steps)
-    return losses
-
-
-def check_skips(step: int, in_a_row: int, limit: int) -> None:
-    """Stop a run whose every recent step was non-finite: skipping them all would only train on nothing."""
-    if in_a_row >= limit:
-        raise FloatingPointError(
-            f"step {step}: {in_a_row} steps in a row had a non-finite gradient norm and were skipped "
-            f"(training.max_consecutive_skipped_steps={limit}): training has diverged; lower optimizer.lr or "
-            f"raise lr_scheduler.warmup_steps, and resume from an earlier checkpoint"
-        )
+    return c.metrics.losses
 
 
 def set_collective_timeout(runtime: Runtime, seconds: int) -> None:
@@ -571,7 +392,7 @@ def run_job(cfg: JobConfig, device: torch.device, world_size: int) -> None:
         logger.log(logging.INFO if cfg.job.print_config else logging.DEBUG, "resolved config:\n%s", to_toml(cfg))
         if dist.get_rank() == 0:
             logger.info("%s; resolved config saved to %s", cfg.job.description, save_config(cfg, cfg.job.dump_folder))
-        train(cfg, Runtime(parallel_dims, parallel_dims.build_mesh(device.type), device))
+        train(cfg, build_runtime(cfg, parallel_dims, parallel_dims.build_mesh(device.type), device))
     finally:
         lock.release()
 
@@ -629,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
     watch_agent(on_lost=claim_agent_died)  # first: an orphan (its agent killed) must stop, even mid-rendezvous
     cfg = load_config(sys.argv[1:] if argv is None else argv)
     device = build_device()
-    owns_group = init_distributed(device, cfg.comm)
+    owns_group = init_distributed(device, cfg.comm, cfg.job.dump_folder)
     setup_logging(dist.get_rank())
     reports = owns_group and under_torchelastic()
     # where rank 0 runs (the c10d rendezvous ignores NODE_RANK): logged on every node, and named in reports

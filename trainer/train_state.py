@@ -15,6 +15,12 @@ class TrainState:
     skipped_steps: int = 0
     """Steps whose update was skipped for a non-finite gradient norm (training.skip_nonfinite_steps)."""
 
+    def advance(self, step: int, *, tokens: int, skipped: bool = False) -> None:
+        """Step `step` is done: it trained on `tokens` global tokens (or skipped its update)."""
+        self.step = step
+        self.tokens_seen += tokens
+        self.skipped_steps += int(skipped)
+
     def state_dict(self) -> dict[str, Any]:
         return asdict(self)
 

@@ -176,6 +176,10 @@ class Validator:
     def should_validate(self, step: int) -> bool:
         return step % self.freq == 0 or step == self.last_step
 
+    def validate_if_due(self, model: nn.Module, step: int) -> ValidationResult | None:
+        """Validate when `step` is due (every `freq` steps and the last)."""
+        return self.validate(model, step) if self.should_validate(step) else None
+
     def validate(self, model: nn.Module, step: int) -> ValidationResult:
         start = time.perf_counter()
         batches = validation_batches(

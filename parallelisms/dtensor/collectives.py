@@ -72,14 +72,14 @@ def all_reduce(
     return pending(work, out, lambda t: _finish_reduce(t, reduce_op, group_size))
 
 
-def all_ranks_agree(flag: bool, device: torch.device) -> bool:
-    """The logical AND of `flag` over every rank of the default group (a 1-element MIN all-reduce).
+def all_ranks_agree(flag: bool, device: torch.device, group: ProcessGroup | None = None) -> bool:
+    """The logical AND of `flag` over every rank of `group` (default: the world), a 1-element MIN all-reduce.
 
     torch.equal's answer, as torch's DTensor computes it: every rank of the world joins, those
     outside the DTensor's mesh with True, so they learn the answer too.
     """
     t = torch.tensor(int(flag), device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
     return bool(t.item())
 
 

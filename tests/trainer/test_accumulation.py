@@ -19,7 +19,9 @@ from parallelisms.dtensor import DTensor
 from parallelisms.parallel_dims import ParallelDims
 from tests.world import run_world
 from trainer.data import TokenBatches, accumulation_steps
-from trainer.train import IGNORE_INDEX, NonfiniteWatch, global_target_count, init_model, reduce_loss, train_step
+from trainer.loss import IGNORE_INDEX
+from trainer.step import NonfiniteWatch, global_target_count, reduce_loss, train_step
+from trainer.train import init_model
 
 ARGS = dataclasses.replace(llama3_configs["debugmodel"], dim=32, n_layers=2, n_heads=4, vocab_size=37, max_seq_len=8)
 GLOBAL, SEQ = 8, 8
@@ -51,13 +53,14 @@ def _step(micro: int, lr: float = 1.0) -> dict[str, object]:
     per_rank = GLOBAL // world
     mine = slice(rank * per_rank, (rank + 1) * per_rank)
     batches = [(inputs[mine][i : i + micro], labels[mine][i : i + micro]) for i in range(0, per_rank, micro)]
-    targets = global_target_count([lab for _, lab in batches], dims, mesh)
+    dp_cp_mesh = mesh["dp_cp"] if dims.dp_cp_enabled else None
+    targets = global_target_count([lab for _, lab in batches], dp_cp_mesh)
     result = train_step(
         model, opt, batches, targets=targets, dp_size=world, max_norm=1.0, use_loss_parallel=False,
         skip_nonfinite=False,
     )  # fmt: skip
     params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for n, p in model.named_parameters()}
-    return {"loss": reduce_loss(result.loss, dims, mesh), "norm": float(result.grad_norm), "params": params}
+    return {"loss": reduce_loss(result.loss, dp_cp_mesh), "norm": float(result.grad_norm), "params": params}
 
 
 def _reference_loss() -> float:

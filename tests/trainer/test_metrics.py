@@ -187,7 +187,7 @@ def test_tokens_per_device_follow_torchtitan_under_tp() -> None:
     """tok/s per device = local tokens / (tp x cp x pp): under TP(2) each of the two ranks that read
     the same 2 x 4 x 8 tokens is credited half of them (it read 2x before)."""
     from parallelisms.parallel_dims import ParallelDims
-    from trainer.train import tokens_per_device
+    from trainer.step import tokens_per_device
 
     micro = [(torch.zeros(4, 8, dtype=torch.long), torch.zeros(4, 8, dtype=torch.long))] * 2
     fsdp = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=1, pp=1, world_size=2)

@@ -219,16 +219,25 @@ def test_a_lost_rendezvous_store_is_one_line_without_cpp_frames(
 
 
 @pytest.mark.e2e
-def test_sigterm_to_the_launcher_stops_the_job_with_one_line_and_143(tmp_path: Path) -> None:
-    """A scheduler's preemption: before, a 28-line SignalException traceback and exit code 1."""
-    job = Job([*TRAIN_ARGS, "--job.dump_folder", str(tmp_path)], NGPU="2", LOG_RANK="0,1")
+def test_sigterm_to_the_launcher_saves_a_last_checkpoint_and_exits_143_with_one_line(tmp_path: Path) -> None:
+    """A scheduler's preemption: before, a 28-line SignalException traceback, exit code 1 and the steps since
+    the last save lost. Now every rank saves the step it was in (one agreed step) and the job exits 143."""
+    from checkpoint.manager import committed_steps
+    from checkpoint.step_folders import StepKind, step_kind
+
+    args = [*TRAIN_ARGS, "--job.dump_folder", str(tmp_path), "--checkpoint.enable", "--checkpoint.interval", "1000"]
+    job = Job(args, NGPU="2", LOG_RANK="0,1")
     try:
-        job.wait_for("step 1 |", timeout=120)
+        job.wait_for("step 2 |", timeout=120)
         job.proc.send_signal(signal.SIGTERM)
         assert job.wait(timeout=30) == 128 + signal.SIGTERM, job.output[-3000:]
         out = job.output
         assert "stopped by SIGTERM: the ranks were stopped" in out, out[-3000:]
         assert "Traceback" not in out and "SignalException" not in out, out[-3000:]  # not the agent's, nor a rank's
         assert wait_gone(job.ranks, 5) == []
+        steps = committed_steps(tmp_path / "checkpoint")
+        assert len(steps) == 1 and steps[0] >= 2, (steps, out[-3000:])
+        assert step_kind(tmp_path / "checkpoint" / f"step-{steps[0]}") == StepKind.RESUMABLE
+        assert f"SIGTERM: stopping after step {steps[0]}, its checkpoint saved" in out, out[-3000:]
     finally:
         job.kill()

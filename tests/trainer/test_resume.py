@@ -125,11 +125,13 @@ def _save_initial_weights(argv: list[str], directory: str) -> None:
 
     from checkpoint.stateful import ModelState
     from trainer.config import load_config
-    from trainer.train import Runtime, build_model_and_optimizer, build_parallel_dims
+    from trainer.runtime import build_runtime
+    from trainer.train import build_model_and_optimizer, build_parallel_dims
 
     cfg = load_config(argv)
     dims = build_parallel_dims(cfg.parallelism, dist.get_world_size())
-    model = build_model_and_optimizer(cfg, Runtime(dims, dims.build_mesh("cpu"), torch.device("cpu")), 258)[0]
+    runtime = build_runtime(cfg, dims, dims.build_mesh("cpu"), torch.device("cpu"))
+    model = build_model_and_optimizer(cfg, runtime, 258)[0]
     checkpoint.save({"model": ModelState(model).state_dict()}, directory)
 
 
@@ -209,11 +211,13 @@ def _load_hf_rank(argv: list[str], hf_dir: str) -> dict[str, torch.Tensor]:
     from checkpoint.stateful import ModelState
     from parallelisms.dtensor import DTensor
     from trainer.config import load_config
-    from trainer.train import Runtime, build_model_and_optimizer, build_parallel_dims
+    from trainer.runtime import build_runtime
+    from trainer.train import build_model_and_optimizer, build_parallel_dims
 
     cfg = load_config(argv)
     dims = build_parallel_dims(cfg.parallelism, torch.distributed.get_world_size())
-    model = build_model_and_optimizer(cfg, Runtime(dims, dims.build_mesh("cpu"), torch.device("cpu")), 258)[0]
+    runtime = build_runtime(cfg, dims, dims.build_mesh("cpu"), torch.device("cpu"))
+    model = build_model_and_optimizer(cfg, runtime, 258)[0]
     meta = {"model_args": dataclasses.asdict(model.model_args)}
     manager = CheckpointManager(Path(hf_dir).parent / "unused", {"model": ModelState(model)}, enable=False,
                                 initial_load_in_hf=True, initial_load_path=hf_dir, metadata=meta)  # fmt: skip

@@ -127,10 +127,11 @@ def test_torchtitan_debug_model_trains_on_two_cpu_ranks(tmp_path: Path, tokenize
     assert "global batch 16 x 2048 tokens" in out, out[-4000:]
 
 
-def test_help_lists_every_key_with_its_type_default_and_doc() -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "trainer.train", "--help"], cwd=REPO, capture_output=True, text=True, timeout=60
-    )
+@pytest.mark.parametrize(
+    "command", [[sys.executable, "-m", "trainer.train"], ["./run_train.sh", "--training.steps", "2"]]
+)
+def test_help_lists_every_key_with_its_type_default_and_doc(command: list[str]) -> None:
+    done = subprocess.run([*command, "--help"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     keys = [line.split()[0] for line in lines if line.startswith("  --")]

@@ -25,11 +25,12 @@ def _built(argv: list[str]) -> dict:
     import torch.distributed as dist
 
     from trainer.config import load_config
-    from trainer.train import Runtime, build_model_and_optimizer, build_parallel_dims
+    from trainer.runtime import build_runtime
+    from trainer.train import build_model_and_optimizer, build_parallel_dims
 
     cfg = load_config(argv)
     dims = build_parallel_dims(cfg.parallelism, dist.get_world_size())
-    runtime = Runtime(dims, dims.build_mesh("cpu"), torch.device("cpu"))
+    runtime = build_runtime(cfg, dims, dims.build_mesh("cpu"), torch.device("cpu"))
     model, optimizer, scheduler = build_model_and_optimizer(cfg, runtime, 258)
     group = optimizer.param_groups[0]
     blocks = list(model.layers.values())  # type: ignore[operator]
