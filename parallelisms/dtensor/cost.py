@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING
@@ -101,21 +102,22 @@ def _spans_hosts(mesh: DeviceMesh, mesh_dim: int, host_size: int) -> bool:
     return not bool((lines == lines[:, :1]).all())
 
 
-_MODEL = [CostModel()]
+# context-local, so one thread's planning under a model never changes another's
+_MODEL: ContextVar[CostModel] = ContextVar("meshtrain_cost_model", default=CostModel())  # noqa: B039 (frozen)
 
 
 def cost_model() -> CostModel:
-    return _MODEL[-1]
+    return _MODEL.get()
 
 
 @contextmanager
 def use_cost_model(model: CostModel) -> Iterator[CostModel]:
-    """Plan with `model` inside the context (plans cached before keep their choices)."""
-    _MODEL.append(model)
+    """Plan with `model` inside the context, in this thread / task (plans cached before keep their choices)."""
+    token = _MODEL.set(model)
     try:
         yield model
     finally:
-        _MODEL.pop()
+        _MODEL.reset(token)
 
 
 def collective_seconds(kind: str, nbytes: float, mesh: DeviceMesh, mesh_dim: int) -> float:

@@ -17,6 +17,7 @@ import logging
 import os
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,9 +38,10 @@ logger = logging.getLogger(__name__)
 DEBUG = os.environ.get("MESHTRAIN_DEBUG", "0") not in ("", "0")
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class DispatchOptions:
-    """What the context managers below switch on for the ops dispatched inside them."""
+    """What the context managers below switch on for the ops dispatched inside them: context-local
+    (a contextvar), so a thread (the async checkpoint writer, a data loader) never sees another's."""
 
     # plain_tensors_as_replicate(ops); always is_same_size, which reads only shapes (a plain
     # tensor's global shape is its shape: torch.equal(dt, t) asks it first, as torch's DTensor)
@@ -49,7 +51,8 @@ class DispatchOptions:
 
 
 PLANS = PlanCache()
-OPTIONS = DispatchOptions()
+# a frozen record, replaced (never mutated) by the context managers below
+_OPTIONS: ContextVar[DispatchOptions] = ContextVar("meshtrain_dispatch_options", default=DispatchOptions())  # noqa: B039
 _cached = PLANS.plans.get  # bound once: the lookup of every op (PLANS.plans is never replaced)
 _wrap_one = DTensor._wrap
 
@@ -98,7 +101,7 @@ def dispatch(op: OpOverload, args: tuple, kwargs: dict | None) -> Any:
 
 
 def _plan_miss(op: OpOverload, key_args: tuple, key_kwargs: tuple) -> Plan:
-    plan = build_plan(op, key_args, dict(key_kwargs), PLANS, fallback=OPTIONS.replicate_fallback)
+    plan = build_plan(op, key_args, dict(key_kwargs), PLANS, fallback=_OPTIONS.get().replicate_fallback)
     if DEBUG and plan.note:
         logger.info("%s: %s", op, plan.note)
     return plan
@@ -191,8 +194,8 @@ def _unwrap_one(op: OpOverload, a: Any, dtensors: list[DTensor], call: tuple[tup
             return ScalarTensor(a.dtype, a.device.type), a
         if (
             a.numel() == 1
-            or OPTIONS.implicit_replication
-            or op in OPTIONS.plain_as_replicate
+            or (options := _OPTIONS.get()).implicit_replication
+            or op in options.plain_as_replicate
             or torch._C._get_dtensor_allow_implicit_replication()
         ):
             # single-element tensors count as replicated, as in torch (a tensor lr in fused AdamW);
@@ -356,21 +359,26 @@ def _log_redistribute(op: OpOverload, index: int, spec: DTensorSpec, target: tup
 # --------------------------------------------------------------------------------------------------
 
 
+def options() -> DispatchOptions:
+    """The dispatch options in force in this context."""
+    return _OPTIONS.get()
+
+
 @contextmanager
 def _option(name: str, value: Any) -> Iterator[None]:
-    """OPTIONS.<name> = value within the context (nests: the previous value comes back)."""
-    previous = getattr(OPTIONS, name)
-    setattr(OPTIONS, name, value)
+    """The option `name` = value within the context, in this thread / task only (nests: the previous
+    value comes back)."""
+    token = _OPTIONS.set(dataclasses.replace(_OPTIONS.get(), **{name: value}))
     try:
         yield
     finally:
-        setattr(OPTIONS, name, previous)
+        _OPTIONS.reset(token)
 
 
 def plain_tensors_as_replicate(ops: frozenset[OpOverload]) -> AbstractContextManager[None]:
     """Within the context, plain tensor args of `ops` count as Replicate DTensors on the mesh of
     the op's first DTensor arg, instead of raising (torch's loss_parallel takes plain targets so)."""
-    return _option("plain_as_replicate", OPTIONS.plain_as_replicate | ops)
+    return _option("plain_as_replicate", _OPTIONS.get().plain_as_replicate | ops)
 
 
 def implicit_replication() -> AbstractContextManager[None]:

@@ -111,3 +111,30 @@ def _scalar_tensor() -> bool:
     x = distribute_tensor(torch.arange(6.0).view(3, 2), get_mesh((2,)), [Shard(0)])
     y = torch.ops.aten.mul.Tensor(x, torch.tensor(2.0))
     return torch.equal(y.full_tensor(), torch.arange(6.0).view(3, 2) * 2)
+
+
+def test_dispatch_options_and_cost_model_are_local_to_a_thread() -> None:
+    """The async checkpoint writer or a data thread must never plan under the training thread's options."""
+    import threading
+
+    from parallelisms.dtensor import cost, dispatch
+
+    inside, seen, done = threading.Event(), {}, threading.Event()
+
+    def other_thread() -> None:
+        inside.wait(5)
+        seen["fallback"] = dispatch.options().replicate_fallback
+        seen["implicit"] = dispatch.options().implicit_replication
+        seen["model"] = cost.cost_model()
+        done.set()
+
+    custom = cost.CostModel()
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    with dispatch.replicate_fallback(), dispatch.implicit_replication(), cost.use_cost_model(custom):
+        assert dispatch.options().replicate_fallback and cost.cost_model() is custom
+        inside.set()
+        assert done.wait(5)
+    thread.join()
+    assert seen == {"fallback": False, "implicit": False, "model": cost.cost_model()}
+    assert seen["model"] is not custom and not dispatch.options().replicate_fallback
