@@ -26,6 +26,7 @@ import shutil
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,18 @@ from .storage import remove_leftovers, temporary_dir
 
 logger = logging.getLogger(__name__)
 ASYNC_MODES = ("disabled", "async", "async_with_pinned_mem")
+
+
+@dataclass(frozen=True)
+class StateRoles:
+    """What the caller's states mean to the manager, which knows no trainer convention of its own: which
+    state holds the weights (model-only saves, initial and HF loads), which one makes a checkpoint a
+    resume point (and holds the step it continues after), and how to refuse weights of another model
+    (`compatible(directory, saved_metadata, our_metadata)` raises; None: shapes only)."""
+
+    model: str = "model"
+    resumable: str = "train_state"
+    compatible: Callable[[Path, dict[str, Any], dict[str, Any]], None] | None = None
 
 
 class CheckpointManager:
@@ -81,12 +94,14 @@ class CheckpointManager:
         create_seed_checkpoint: bool = False,
         enable_ft_dataloader_checkpoints: bool = True,
         metadata: dict[str, Any] | None = None,
+        roles: StateRoles | None = None,
     ) -> None:
         del initial_load_in_hf_quantized, enable_ft_dataloader_checkpoints  # accepted for torchtitan's configs
         _check_options(async_mode, last_save_model_only, last_save_in_hf, initial_load_model_only,
                        initial_load_in_hf, initial_load_path or hf_assets_path)  # fmt: skip
-        if "model" not in states:
-            raise ValueError("the checkpointed states need a 'model' entry")
+        self.roles = roles or StateRoles(compatible=check_model_args)
+        if self.roles.model not in states:
+            raise ValueError(f"the checkpointed states need a {self.roles.model!r} entry (StateRoles.model)")
         self.folder, self.states, self.interval, self.keep_latest_k = Path(folder), states, interval, keep_latest_k
         self.enable, self.saving = enable, enable and not load_only  # load_only: resume as usual, never save
         self.last_save_model_only, self.last_save_in_hf = last_save_model_only, last_save_in_hf
@@ -111,6 +126,10 @@ class CheckpointManager:
             # the commit's collectives run on the writer thread: they need a group nothing else uses
             self._group = dist.new_group(backend="gloo") if dist.is_initialized() else None
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer")
+
+    def _check_compatible(self, directory: Path, saved: dict[str, Any]) -> None:
+        if self.roles.compatible is not None:
+            self.roles.compatible(directory, saved, self.metadata or {})
 
     def _dir(self, step: int) -> Path:
         return self.folder / f"step-{step}"
@@ -138,7 +157,7 @@ class CheckpointManager:
             for p in remove_leftovers(self.folder):
                 logger.warning("removed %s, left by an interrupted save", p)
         _barrier()
-        kinds = {n: step_kind(p) for n, p in step_folders(self.folder).items()}
+        kinds = {n: step_kind(p, self.roles.resumable) for n, p in step_folders(self.folder).items()}
         loadable = sorted(n for n, kind in kinds.items() if kind in LOADABLE)
         if self.load_step >= 0 and self.load_step not in loadable:
             found = f" (step-{self.load_step} is {kinds[self.load_step].value})" if self.load_step in kinds else ""
@@ -163,7 +182,7 @@ class CheckpointManager:
 
     def _load_initial(self) -> int:
         """Load initial_load_path; the step its train_state continues after (0 when only the model loads)."""
-        t0, names = time.perf_counter(), ["model"]
+        t0, names = time.perf_counter(), [self.roles.model]
         if self.initial_load_in_hf:
             key = "checkpoint.initial_load_path" if self.initial_load_path else "model.hf_assets_path"
             path = Path(self.initial_load_path or self.hf_assets_path)
@@ -174,13 +193,14 @@ class CheckpointManager:
         unsaved = "" if self.enable else f" (checkpoint.enable=false: {self.folder} is not scanned, nothing is saved)"
         logger.info("initialized from %s in %.2f s%s", path, time.perf_counter() - t0, unsaved)
         # as torchtitan's: a whole initial checkpoint (initial_load_model_only=false) continues its run
-        return int(self.states["train_state"].state_dict()["step"]) if "train_state" in names else 0
+        resumable = self.roles.resumable
+        return int(self.states[resumable].state_dict()["step"]) if resumable in names else 0
 
     def _load(self, directory: Path, *, model_only: bool, exclude: Sequence[str]) -> list[str]:
         """Load the states `names` (returned) from `directory`: the model, or all but `exclude`."""
         t0 = time.perf_counter()
-        check_model_args(directory, read_index(directory).metadata, self.metadata or {})
-        names = ["model"] if model_only else [n for n in self.states if n not in exclude]
+        self._check_compatible(directory, read_index(directory).metadata)
+        names = [self.roles.model] if model_only else [n for n in self.states if n not in exclude]
         state_dict = {name: self.states[name].state_dict() for name in names}
         load(state_dict, directory)
         for name in names:
@@ -191,9 +211,10 @@ class CheckpointManager:
     def _load_hf(self, path: Path, key: str) -> None:
         """The model from the Hugging Face folder `path` (named by config key `key`): model only."""
         files = check_hf_folder(path, key)
-        state_dict = self.states["model"].state_dict()
+        model = self.states[self.roles.model]
+        state_dict = model.state_dict()
         load_hf_model(state_dict, path, files, self._hf_model_args(path))
-        self.states["model"].load_state_dict(state_dict)
+        model.load_state_dict(state_dict)
 
     def _hf_model_args(self, path: Path) -> TransformerModelArgs:
         """This job's model args (the q/k permutation needs the head counts), checked against the
@@ -204,7 +225,7 @@ class CheckpointManager:
             # config.json gives the FFN width, which (multiple_of, ffn_dim_multiplier) spell in several ways:
             # the tensors' shapes check it
             spelled = {k: v for k, v in saved["model_args"].items() if k not in ("multiple_of", "ffn_dim_multiplier")}
-            check_model_args(path, {**saved, "model_args": spelled}, self.metadata or {})
+            self._check_compatible(path, {**saved, "model_args": spelled})
         ours = (self.metadata or {}).get("model_args")
         if isinstance(ours, dict):
             return hf.model_args_from_json(json.loads(json.dumps(ours)))
@@ -248,9 +269,10 @@ class CheckpointManager:
             return
         if not self._make_way(directory, step, model_only=model_only):
             return
-        state_dict = {n: s.state_dict() for n, s in self.states.items() if not model_only or n == "model"}
+        key = self.roles.model
+        state_dict = {n: s.state_dict() for n, s in self.states.items() if not model_only or n == key}
         if model_only and self.export_dtype != torch.float32:
-            state_dict["model"] = {k: v.to(self.export_dtype) for k, v in state_dict["model"].items()}
+            state_dict[key] = {k: v.to(self.export_dtype) for k, v in state_dict[key].items()}
         t0 = time.perf_counter()
         if self._executor is not None:
             assert self._group is not None or not dist.is_initialized()
@@ -271,8 +293,8 @@ class CheckpointManager:
         if not self._make_way(out, step, model_only=True):
             return
         t0 = time.perf_counter()
-        save_hf_model(self.states["model"].state_dict(), out, dtype=self.export_dtype_name, metadata=self.metadata,
-                      rank=self.rank)  # fmt: skip
+        model = self.states[self.roles.model].state_dict()
+        save_hf_model(model, out, dtype=self.export_dtype_name, metadata=self.metadata, rank=self.rank)
         logger.info("step %d saved as the Hugging Face folder %s (model only, %s) in %.2f s", step, out,
                     self.export_dtype_name, time.perf_counter() - t0)  # fmt: skip
 
@@ -286,7 +308,8 @@ class CheckpointManager:
         if self.last_save_in_hf:
             self._save_hf(0)
         elif self._make_way(self._dir(0), 0, model_only=True):
-            save({"model": self.states["model"].state_dict()}, self._dir(0), metadata=self.metadata)
+            key = self.roles.model
+            save({key: self.states[key].state_dict()}, self._dir(0), metadata=self.metadata)
             logger.info("created the seed checkpoint %s (the initialized model); not training", self._dir(0))
         self.created_seed = True
 
@@ -296,7 +319,16 @@ class CheckpointManager:
         decision: list[Any] = [(True, None)]
         if self.rank == 0:
             try:
-                decision[0] = (clear_way(directory, step, model_only=model_only, resumed=self.resumed_step), None)
+                decision[0] = (
+                    clear_way(
+                        directory,
+                        step,
+                        model_only=model_only,
+                        resumed=self.resumed_step,
+                        resumable=self.roles.resumable,
+                    ),
+                    None,
+                )
             except OSError as e:
                 decision[0] = (False, f"cannot set aside {directory} to save step {step}: {e}")
         if dist.is_initialized() and dist.get_world_size() > 1:

@@ -50,7 +50,7 @@ def step_folders(folder: Path) -> dict[int, Path]:
     return {int(m.group(1)): p for p in folder.iterdir() if (m := _STEP_DIR.fullmatch(p.name))}
 
 
-def step_kind(directory: Path) -> StepKind:
+def step_kind(directory: Path, resumable: str = "train_state") -> StepKind:
     """What `directory` holds, judged by its index alone (a corrupt data file shows only when loaded)."""
     if (directory / HF_INDEX_FILE).is_file() and not (directory / INDEX_FILE).is_file():
         return StepKind.HF_EXPORT
@@ -60,8 +60,8 @@ def step_kind(directory: Path) -> StepKind:
         values = read_index(directory).values
     except CheckpointError:
         return StepKind.UNREADABLE
-    resumable = any(k == "train_state" or k.startswith("train_state.") for k in values)
-    return StepKind.RESUMABLE if resumable else StepKind.MODEL_ONLY
+    has_state = any(k == resumable or k.startswith(f"{resumable}.") for k in values)
+    return StepKind.RESUMABLE if has_state else StepKind.MODEL_ONLY
 
 
 def report_passed_over(kinds: dict[int, StepKind], chosen: int | None, load_step: int) -> None:
@@ -80,12 +80,12 @@ def report_passed_over(kinds: dict[int, StepKind], chosen: int | None, load_step
                            why.removeprefix("it has ").removeprefix("its "), start, n, suffix, n)  # fmt: skip
 
 
-def clear_way(directory: Path, step: int, *, model_only: bool, resumed: int) -> bool:
+def clear_way(directory: Path, step: int, *, model_only: bool, resumed: int, resumable: str = "train_state") -> bool:
     """Rank 0: whether to save step `step` into `directory`, setting aside what is there. A model-only
     export never replaces a checkpoint; a resumable one sets aside whatever holds its name."""
     if not directory.exists() and not directory.is_symlink():
         return True
-    kind = step_kind(directory)
+    kind = step_kind(directory, resumable)
     if model_only and kind in (*LOADABLE, StepKind.HF_EXPORT):
         logger.warning("%s already holds a %s checkpoint of step %d (from an earlier run): kept, and this run's "
                        "model-only save of step %d is not written", directory, kind.value, step, step)  # fmt: skip

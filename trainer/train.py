@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.optim.lr_scheduler import LambdaLR
 
-from checkpoint.manager import CheckpointManager
+from checkpoint.manager import CheckpointManager, StateRoles, check_model_args
 from checkpoint.stateful import ModelState, OptimizerState, RngState, Stateful
 from models.llama3 import Transformer, TransformerModelArgs, llama3_configs
 from models.llama3.parallelize import parallelize_llama
@@ -278,7 +278,11 @@ def build_checkpointer(
     }  # fmt: skip
     model_args = cast(TransformerModelArgs, model.model_args)
     metadata = {"job_config": cfg.to_dict(), "model_args": dataclasses.asdict(model_args)}
-    manager = CheckpointManager(Path(cfg.job.dump_folder) / cfg.checkpoint.folder, states, metadata=metadata, **options)
+    # the trainer's conventions: the weights under "model", a resume point holds "train_state", and weights of
+    # a Llama with other architecture args are refused
+    roles = StateRoles(model="model", resumable="train_state", compatible=check_model_args)
+    folder = Path(cfg.job.dump_folder) / cfg.checkpoint.folder
+    manager = CheckpointManager(folder, states, metadata=metadata, roles=roles, **options)
     train_state.step = manager.load()
     return manager
 

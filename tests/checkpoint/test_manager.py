@@ -177,3 +177,25 @@ def test_an_initial_load_in_hf_refuses_a_folder_without_safetensors(tmp_path: Pa
         job.run(0)
     with pytest.raises(ValueError, match="needs a Hugging Face folder; set checkpoint.initial_load_path or model.hf"):
         _Job(tmp_path / "ckpt", initial_load_in_hf=True)
+
+
+def test_the_caller_names_the_weights_and_the_resume_marker(tmp_path: Path) -> None:
+    """The manager knows no trainer convention: with other state names it resumes, exports and refuses as well."""
+    from checkpoint.manager import StateRoles
+
+    refused: list[Path] = []
+    roles = StateRoles(model="weights", resumable="progress", compatible=lambda d, saved, ours: refused.append(d))
+    torch.manual_seed(0)
+    model, progress = Transformer(ARGS), TrainState()
+    states = {"weights": ModelState(model), "progress": progress}
+    manager = CheckpointManager(tmp_path, states, interval=2, keep_latest_k=0, roles=roles)  # type: ignore[arg-type]
+    for step in (1, 2, 3, 4):
+        progress.step = step
+        manager.save_if_due(step, last=step == 4)
+    manager.close()
+    assert committed_steps(tmp_path) == [2, 4]
+    assert not any(k.startswith("progress") for k in checkpoint.read_index(tmp_path / "step-4").values)  # export
+    again = CheckpointManager(tmp_path, {"weights": ModelState(model), "progress": TrainState()}, roles=roles)  # type: ignore[arg-type]
+    assert again.load() == 2 and refused == [tmp_path / "step-2"]  # the newest resume point, checked by the caller
+    with pytest.raises(ValueError, match=r"need a 'weights' entry \(StateRoles.model\)"):
+        CheckpointManager(tmp_path, {"model": ModelState(model)}, roles=roles)  # type: ignore[arg-type]
