@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -30,7 +30,7 @@ class Schedule:
 
 
 def plan_schedule(
-    *, warmup_steps: int, total_steps: int, decay_ratio: float | None, decay_type: str, min_lr_factor: float
+    *, warmup_steps: int, total_steps: int, decay_type: str, min_lr_factor: float, decay_ratio: float | None = None
 ) -> tuple[Schedule, list[str]]:
     """The phases of `total_steps` updates, and a warning for each phase clamped to fit (as torchtitan does)."""
     if decay_type not in DECAY_TYPES:
@@ -78,27 +78,15 @@ def schedule_factor(step: int, schedule: Schedule) -> float:
     return schedule.min_lr_factor + (1.0 - schedule.min_lr_factor) * shape
 
 
-def lr_factor(
-    step: int, *, warmup_steps: int, total_steps: int, decay_type: str, min_lr_factor: float,
-    decay_ratio: float | None = None,
-) -> float:  # fmt: skip
-    """`schedule_factor` of the planned schedule (warmup clamped to fit)."""
-    schedule, _ = plan_schedule(
-        warmup_steps=warmup_steps, total_steps=total_steps, decay_ratio=decay_ratio, decay_type=decay_type,
-        min_lr_factor=min_lr_factor,
-    )  # fmt: skip
-    return schedule_factor(step, schedule)
+def lr_factor(step: int, **schedule_options: Any) -> float:
+    """`schedule_factor` of the schedule `plan_schedule(**schedule_options)` plans (warmup clamped to fit)."""
+    return schedule_factor(step, plan_schedule(**schedule_options)[0])
 
 
-def build_lr_scheduler(
-    optimizer: torch.optim.Optimizer, *, warmup_steps: int, total_steps: int, decay_type: str, min_lr_factor: float,
-    decay_ratio: float | None = None,
-) -> LambdaLR:  # fmt: skip
-    """LambdaLR over `optimizer` following the planned schedule; call `.step()` after each optimizer step."""
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, **schedule_options: Any) -> LambdaLR:
+    """LambdaLR over `optimizer` following the schedule `plan_schedule(**schedule_options)` plans (warmup_steps,
+    total_steps, decay_ratio, decay_type, min_lr_factor); call `.step()` after each optimizer step."""
     from torch.optim.lr_scheduler import LambdaLR
 
-    schedule, _ = plan_schedule(
-        warmup_steps=warmup_steps, total_steps=total_steps, decay_ratio=decay_ratio, decay_type=decay_type,
-        min_lr_factor=min_lr_factor,
-    )  # fmt: skip
+    schedule, _ = plan_schedule(**schedule_options)
     return LambdaLR(optimizer, functools.partial(schedule_factor, schedule=schedule))
