@@ -12,9 +12,6 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-# torchtitan's schedule names; matched case-insensitively (parallelism.pipeline_parallel_schedule)
-PIPELINE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble")
-
 
 @dataclass(kw_only=True)
 class Job:

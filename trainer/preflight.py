@@ -18,7 +18,6 @@ from collections.abc import Callable
 from typing import Any
 
 from .config import JobConfig, load_config
-from .job_config import PIPELINE_SCHEDULES
 
 # (key, check, what it must be) for values that have a valid range
 _RANGES: list[tuple[str, Callable[[Any], bool], str]] = [
@@ -153,13 +152,13 @@ def _check_unavailable(cfg: JobConfig) -> None:
         value = _get(cfg, key)
         if needs_it(value):
             raise ValueError(f"{key}={value!r}: {why}")
+    from parallelisms.pipeline_parallel import get_schedule  # pure Python: no torch
+
     p = cfg.parallelism
-    names = {s.lower(): s for s in PIPELINE_SCHEDULES}
-    if p.pipeline_parallel_schedule.lower() not in names:
-        raise ValueError(
-            f"parallelism.pipeline_parallel_schedule={p.pipeline_parallel_schedule!r}: expected one of "
-            f"{list(PIPELINE_SCHEDULES)} (any case)"
-        )
+    try:
+        get_schedule(p.pipeline_parallel_schedule)
+    except ValueError as e:
+        raise ValueError(f"parallelism.pipeline_parallel_schedule={p.pipeline_parallel_schedule!r}: {e}") from None
     option = cfg.activation_checkpoint.selective_ac_option
     if option != "op" and not (option.isdigit() and int(option) >= 1):
         raise ValueError(
