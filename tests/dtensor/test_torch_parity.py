@@ -272,3 +272,34 @@ def test_ranks_outside_the_mesh_get_empty_shards_as_torch(world_size: int) -> No
     for rank, result in enumerate(results):
         assert result["ours"] == result["torch"], (rank, result)
     assert results[2]["ours"]["add"] == ((0,), []) and results[0]["ours"]["sum"][0] == ()
+
+
+def _prims_and_powsum(name: str) -> dict:
+    """prims ops that decompositions emit and linalg__powsum: the same placements and values as torch's."""
+    import torch.distributed.tensor as tdt
+
+    import parallelisms.dtensor as odt
+    from tests.dtensor.harness import get_mesh, get_torch_mesh
+
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(0)).abs() + 0.1
+    results = {}
+    for impl, mesh in ((odt, get_mesh((2,))), (tdt, get_torch_mesh((2,)))):
+        d = impl.distribute_tensor(x, mesh, [impl.Shard(0)])
+        ops = {
+            "bessel_i0e": lambda t: torch.ops.prims.bessel_i0e(t),
+            "view_of": lambda t: torch.ops.prims.view_of(t),
+            "fmax": lambda t: torch.ops.prims.fmax(t, t * 0.5),
+            "powsum": lambda t: torch.ops.aten.linalg__powsum(t, 3),
+            "powsum_dim1": lambda t: torch.ops.aten.linalg__powsum(t, 2, [1]),
+        }
+        y = ops[name](d)
+        results[impl.__name__] = (str(y.placements), y.full_tensor())
+    return results
+
+
+@pytest.mark.parametrize("name", ["bessel_i0e", "view_of", "fmax", "powsum", "powsum_dim1"])
+def test_prims_ops_and_powsum_follow_torch(name: str) -> None:
+    got = run_world(_prims_and_powsum, 2, name)[0]
+    (ours, ours_value), (theirs, theirs_value) = got["parallelisms.dtensor"], got["torch.distributed.tensor"]
+    assert ours == theirs
+    torch.testing.assert_close(ours_value, theirs_value)

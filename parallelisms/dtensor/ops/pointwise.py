@@ -466,5 +466,15 @@ def discover_pointwise_ops() -> list[OpOverload]:
     return found
 
 
-POINTWISE_OPS = tuple(discover_pointwise_ops()) + EXTRA_OPS
+# prims' elementwise ops that decompositions emit (torch's DTensor lists the same ones): they carry no
+# pointwise tag to discover them by
+PRIMS_POINTWISE = tuple(
+    getattr(torch.ops.prims, name).default
+    for name in (
+        "copy_to", "fmax", "fmin", "bessel_i0e", "bessel_i1", "bessel_i1e", "bessel_j0", "bessel_j1", "div",
+        "erfcx", "frexp", "gcd", "ndtri", "ne", "spherical_bessel_j0", "zeta",
+    )
+    if hasattr(torch.ops.prims, name)
+)  # fmt: skip
+POINTWISE_OPS = tuple(discover_pointwise_ops()) + EXTRA_OPS + PRIMS_POINTWISE
 register(*POINTWISE_OPS)(pointwise_rule)

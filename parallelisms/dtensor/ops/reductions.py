@@ -276,6 +276,16 @@ def vector_norm_candidates(spec: DTensorSpec, ord: Any, dims: Sequence[int] | No
     return [(out, (inp,)) for inp, out in reduction_candidates(spec, becomes, (), dims, keepdim)]
 
 
+@register(aten.linalg__powsum.default)
+def powsum_rule(call: OpCall) -> list[Sharding]:
+    """linalg__powsum, sum(|x| ** ord) without the root: a sum, so a shard of a reduced dim becomes P(sum)."""
+    spec, bound = call.specs[0], call.bound
+    dims = bound["dim"]
+    dims = tuple(range(spec.ndim)) if not dims else tuple(sorted(d % spec.ndim for d in dims))
+    candidates = reduction_candidates(spec, "sum", (), dims, bool(bound["keepdim"]))
+    return [Sharding((inp,), (out,)) for inp, out in candidates]
+
+
 @register(aten.linalg_vector_norm.default)
 def vector_norm_rule(call: OpCall) -> list[Sharding]:
     """linalg_vector_norm: the norm table in the module docstring."""

@@ -153,6 +153,7 @@ def same_dim_rows(
     aten.contiguous.default,
     aten.lift_fresh.default,
     aten.lift_fresh_copy.default,
+    torch.ops.prims.view_of.default,
 )
 def follow_input(call: OpCall) -> Sharding:
     """Output has the input's placements (Partial stays Partial: these ops are the identity)."""
