@@ -3,7 +3,9 @@
 A root mesh (from `init_device_mesh`) creates every process group once. Slices (`mesh["tp"]`,
 `mesh["dp", "tp"]`) and flattened submeshes (`mesh.flatten("dp")`) are views of the root: they
 remember which root dims each of their dims covers and reuse the root's groups, so slicing never
-creates a group and a flattened group is created once, cached on the root under its name.
+creates a group and a flattened group is created once, cached on the root under its name. Block groups
+(`mesh.block_group(dim, k)`: consecutive k-rank blocks of a dim, fully_shard's reshard_after_forward=k)
+are created once per root, dims and k, and cached on the root the same way.
 
 Groups are held weakly, so `dist.destroy_process_group()` frees them while meshes (and every
 DTensor, through its spec) are still alive. That matters at exit: a gloo group freed only during
@@ -77,6 +79,7 @@ class DeviceMesh:
                 raise ValueError(f"mesh {ranks.tolist()} repeats a rank; each rank may appear once")
             self._flattened: dict[str, DeviceMesh] = {}
             self._flat_groups: dict[tuple[int, ...], GroupRef | None] = {}
+            self._block_groups: dict[tuple[tuple[int, ...], int], GroupRef | None] = {}  # (dims, k) -> ours
             self._detached = _detached  # unpickled without a live root: no groups at all
             if _detached:
                 _groups = [None] * ranks.ndim
@@ -203,6 +206,34 @@ class DeviceMesh:
         return flat
 
     _flatten = flatten
+
+    def block_group(self, mesh_dim: int | str, block_size: int) -> ProcessGroup:
+        """The group of this rank's block of `block_size` consecutive ranks along `mesh_dim`.
+
+        Every line of `mesh_dim` (one per coordinate of the other root dims) is cut into blocks of
+        `block_size` ranks; this rank's index in its block is `get_local_rank(mesh_dim) % block_size`.
+        fully_shard's reshard_after_forward=k gathers over them. Like a flattened group, a block group
+        is created once per root, root dims and size, cached on the root and held weakly, so it lives
+        no longer than the root mesh and `dist.destroy_process_group()` frees it. Every rank must call
+        this with the same arguments in the same order the first time (`new_group` is collective).
+        """
+        i = self._dim_index(mesh_dim)
+        size = self._shape[i]
+        if block_size < 1 or size % block_size:
+            dim = repr(self.mesh_dim_names[i]) if self.mesh_dim_names else str(i)
+            raise ValueError(f"block_size {block_size} must divide the size {size} of mesh dim {dim} of {self}")
+        if block_size == size:
+            return self.get_group(i)
+        root, key = self._root, (self._root_dims[i], block_size)
+        if key not in root._block_groups:
+            if root._detached:
+                raise RuntimeError(self._missing_group(i))
+            root._block_groups[key] = _create_line_groups(root.mesh, key[0], block_size)
+        ref = root._block_groups[key]
+        group = ref() if ref is not None else None
+        if group is None:
+            raise RuntimeError(self._missing_group(i))
+        return group
 
     def _resolve_name(self, name: str) -> tuple[tuple[int, ...], GroupRef | None]:
         if self.mesh_dim_names is not None and name in self.mesh_dim_names:
@@ -397,15 +428,17 @@ def init_default_process_group(device_type: str) -> None:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
-def _create_line_groups(ranks: torch.Tensor, dims: tuple[int, ...]) -> GroupRef | None:
-    """Create one group per line of `ranks` along `dims` (flattened); return (weakly) the one holding us.
+def _create_line_groups(ranks: torch.Tensor, dims: tuple[int, ...], block_size: int | None = None) -> GroupRef | None:
+    """Create one group per line of `ranks` along `dims` (flattened), or per block of `block_size`
+    consecutive ranks of each line; return (weakly) the one holding us.
 
     Every rank must call this with the same arguments: `new_group` is collective over the world.
-    A line covering the whole world in rank order reuses the default group. c10d keeps every group
+    A group covering the whole world in rank order reuses the default group. c10d keeps every group
     alive until `destroy_process_group()`; the weak reference lets that call free it.
     """
     rest = [d for d in range(ranks.ndim) if d not in dims]
-    lines = ranks.permute(*rest, *dims).reshape(-1, math.prod(ranks.shape[d] for d in dims)).tolist()
+    n = math.prod(ranks.shape[d] for d in dims)
+    lines = ranks.permute(*rest, *dims).reshape(-1, n).tolist()
     me = dist.get_rank()
     world = dist.get_world_size()
     mine: ProcessGroup | None = None
@@ -415,12 +448,11 @@ def _create_line_groups(ranks: torch.Tensor, dims: tuple[int, ...]) -> GroupRef 
                 f"mesh line {line} along dims {dims} is not in ascending rank order; collectives order "
                 f"ranks ascending, so build the mesh from ascending ranks (e.g. torch.arange(n).view(...))"
             )
-        if line == list(range(world)):
-            group = dist.group.WORLD
-        else:
-            group = dist.new_group(line)
-        if me in line:
-            mine = group
+        step = block_size or n
+        for block in (line[start : start + step] for start in range(0, n, step)):
+            group = dist.group.WORLD if block == list(range(world)) else dist.new_group(block)
+            if me in block:
+                mine = group
     return weakref.ref(mine) if mine is not None else None
 
 

@@ -1,10 +1,11 @@
 """FSDP2-style fully sharded data parallelism on meshtrain's DTensor (mirrors torch's fully_shard).
 
-policy.py   MixedPrecisionPolicy
-param.py    FSDPParam: one parameter's sharded DTensor and its freeable unsharded leaf
-group.py    ParamGroup: one flat all-gather / one flat reduce-scatter per fully_shard module
-state.py    FSDPState: forward/backward hooks, root detection, end-of-backward callback
-api.py      fully_shard, FSDPModule
+policy.py       MixedPrecisionPolicy
+param.py        FSDPParam: one parameter's sharded DTensor and its freeable unsharded leaf
+collectives.py  FlatBuffers: the flat buffer layout (copy-in, all-gather, copy-out, reduce-scatter, HSDP)
+group.py        ParamGroup: the sharded state (SHARDED / SHARDED_POST_FORWARD / UNSHARDED) of one group
+state.py        FSDPState: the training state machine (IDLE / FORWARD / PRE_BACKWARD / POST_BACKWARD), hooks
+api.py          fully_shard, FSDPModule
 """
 
 from .api import FSDPModule, fully_shard

@@ -19,7 +19,7 @@ from parallelisms.dtensor import DeviceMesh, DTensor, Replicate, Shard, init_dev
 from .group import ParamGroup
 from .param import FSDPParam
 from .policy import MixedPrecisionPolicy
-from .state import FSDPState
+from .state import FSDPState, TrainingState
 
 
 class FSDPModule:
@@ -35,8 +35,11 @@ class FSDPModule:
         return UnshardHandle(group) if async_op else None
 
     def reshard(self) -> None:
-        """Free the unsharded parameters and register the sharded ones (not recursive)."""
-        self._fsdp_state.group.reshard()
+        """Free the unsharded parameters and register the sharded ones (not recursive). Not while this
+        module's forward or backward runs: autograd still reads the unsharded parameters."""
+        state = self._fsdp_state
+        state._expect((TrainingState.IDLE, TrainingState.POST_BACKWARD), "reshard")
+        state.group.reshard()
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """Whether backward reduce-scatters gradients. False accumulates unsharded gradients
@@ -129,7 +132,7 @@ def fully_shard(
     _check_dtypes(params, mp_policy)
     group = ParamGroup(params, mesh, mp_policy)
     if _partial_reshard_size(reshard_after_forward, mesh):
-        group.use_partial_reshard(int(reshard_after_forward))  # type: ignore[arg-type]
+        group.reshard_after_forward_to(int(reshard_after_forward))  # type: ignore[arg-type]
     for p in params:
         p.register(p.sharded)
     for original, _ in managed:  # a module outside this group may still hold it (a shared parameter)

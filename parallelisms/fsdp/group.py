@@ -1,86 +1,86 @@
-"""ParamGroup: the parameters one fully_shard call manages, moved with one collective each way.
+"""ParamGroup: the parameters one fully_shard call manages, and their sharded state.
 
-Unshard: every parameter's padded shard goes into one flat buffer (the same offsets on every rank),
-one all-gather returns `(world, group_numel)` rank-major, and each parameter copies its column
-block `[:, offset : offset + slot]` into its unsharded storage. Reduce: every gradient is chunked
-and padded to `(world, slot)` the same way, the blocks are concatenated column-wise into one
-`(world, group_numel)` buffer, one reduce-scatter averages it over the mesh, and each parameter
-takes its `slot` of the result as its sharded gradient. On a 2-D (replicate, shard) mesh (HSDP) the
-collectives run over the shard dim, and the reduced shards are then averaged over the replicate dim
-with one all-reduce.
+    SHARDED               the sharded DTensors are registered; no unsharded data is held
+    SHARDED_POST_FORWARD  reshard_after_forward=k after forward: the sharded DTensors are registered
+                          and this rank keeps world / k of the gathered slots, so backward all-gathers
+                          over k ranks (intra-node, say) instead of all of them
+    UNSHARDED             the unsharded parameters are registered and filled
 
-`reshard_after_forward=k` (an int) reshards onto groups of k consecutive shard ranks after forward:
-each rank keeps k / world of the gathered buffer (its block of world / k rank slots), so backward
-all-gathers over k ranks (intra-node, say) instead of all of them.
+    SHARDED or SHARDED_POST_FORWARD --unshard--> (an all-gather in flight) --wait_unshard--> UNSHARDED
+    UNSHARDED --reshard--> SHARDED            UNSHARDED --reshard_post_forward--> SHARDED_POST_FORWARD
+    SHARDED_POST_FORWARD --reshard--> SHARDED (the kept slots are dropped)
 
-Both directions can run in flight (`async_op=True`): `unshard` returns once the all-gather is
-issued and `wait_unshard` finishes it; `reduce_grads` returns once the reduce-scatter is issued and
-`finish_reduce` lands the sharded gradients. gloo runs collectives on its own threads and NCCL on
-its stream, so the compute in between overlaps them (state.py decides when: prefetch).
+One all-gather unshards the whole group and one reduce-scatter reduces it (collectives.py lays out the
+flat buffers). Both can run in flight: `unshard(async_op=True)` returns once the all-gather is issued and
+`wait_unshard` finishes it; `reduce_grads(async_op=True)` returns once the reduce-scatter is issued and
+`finish_reduce` lands the sharded gradients. gloo runs collectives on its own threads and NCCL on its
+stream, so the compute in between overlaps them (state.py decides when: prefetch).
 """
 
 from __future__ import annotations
 
+from enum import Enum
+
 import torch
 
-from parallelisms.dtensor import DeviceMesh, collectives
+from parallelisms.dtensor import DeviceMesh
 from parallelisms.dtensor.collectives import InFlight
 
+from .collectives import FlatBuffers
 from .param import FSDPParam
 from .policy import MixedPrecisionPolicy
 
-# k-rank groups of reshard_after_forward=k: (root, group, this rank's index in it) per (root, dims, k)
-_PARTIAL_GROUPS: dict[tuple, tuple] = {}
+
+class ShardedState(Enum):
+    SHARDED = "sharded"
+    SHARDED_POST_FORWARD = "sharded_post_forward"
+    UNSHARDED = "unsharded"
 
 
 class ParamGroup:
-    """The FSDPParams of one fully_shard call, with the collectives that move them."""
+    """The FSDPParams of one fully_shard call, their sharded state and the collectives that move them."""
 
     def __init__(self, params: list[FSDPParam], mesh: DeviceMesh, policy: MixedPrecisionPolicy) -> None:
         self.params = params
         self.mesh = mesh
         self.policy = policy
-        self.is_unsharded = False
-        self.offsets: list[int] = []
-        total = 0
-        for p in params:
-            self.offsets.append(total)
-            total += p.slot_numel
-        self.group_numel = total  # per-rank elements in the flat all-gather / reduce-scatter buffers
-        self._waiting: set[int] = set()  # indices of params whose grad this backward has not produced
+        self.buffers = FlatBuffers(params, mesh)
+        self.state = ShardedState.SHARDED
         self._gathering: InFlight | None = None  # an all-gather issued, not yet copied out
-        # the k-rank process group of reshard_after_forward=k
-        self._partial_group: torch.distributed.ProcessGroup | None = None
-        self._partial_block: int = 0  # which block of rank slots this rank keeps
-        self._partial: torch.Tensor | None = None  # (world / k, group_numel) kept after forward
-        self._kept: torch.Tensor | None = None  # the block reshard_to_partial keeps, cut at the gather
+        self._post_forward_shard: torch.Tensor | None = None  # (world / k, numel) in SHARDED_POST_FORWARD
+        self._waiting: set[int] = set()  # indices of params whose grad this backward has not produced
         self._reducing: tuple[InFlight, list[FSDPParam]] | None = None  # a reduce-scatter in flight
+
+    @property
+    def is_unsharded(self) -> bool:
+        return self.state is ShardedState.UNSHARDED
 
     @property
     def is_gathering(self) -> bool:
         return self._gathering is not None
 
+    def reshard_after_forward_to(self, k: int) -> None:
+        """reshard_after_forward=k: after forward keep the shard of a k-rank block (see the module doc)."""
+        self.buffers.use_blocks(k)
+
     # ------------------------------------------------------------------------------ parameters
-    def unshard(self, *, async_op: bool = False) -> None:
+    def unshard(self, *, async_op: bool = False, post_forward_ok: bool = True) -> None:
         """All-gather the group (one collective) and register the unsharded parameters; with
-        `async_op` only issue the all-gather (a prefetch) and leave the rest to `wait_unshard`."""
-        if self.is_unsharded or not self.params:
+        `async_op` only issue the all-gather (a prefetch) and leave the rest to `wait_unshard`.
+
+        `post_forward_ok=False` (a forward) drops a post-forward shard and gathers from the sharded
+        parameters, which an optimizer step may have changed since that shard was kept."""
+        if self.state is ShardedState.UNSHARDED or not self.params:
             return
-        if self._gathering is None and self._partial is not None:  # from the k-rank reshard
-            assert self._partial_group is not None
-            partial, self._partial = self._partial, None
-            self._gathering = collectives.start_all_gather_flat(
-                partial.reshape(-1),
-                self._partial_group,
-                async_op=async_op,
-            )
         if self._gathering is None:
-            inputs = [t for p in self.params for t in p.all_gather_inputs()]
-            flat = torch.cat(inputs)  # (group_numel,)  this rank's padded shards
-            if self.policy.param_dtype is not None:
-                flat = flat.to(self.policy.param_dtype)
-            group = self.mesh.get_group(self.mesh.ndim - 1)
-            self._gathering = collectives.start_all_gather_flat(flat, group, async_op=async_op)
+            if self.state is ShardedState.SHARDED_POST_FORWARD and not post_forward_ok:
+                self.reshard()
+            if self.state is ShardedState.SHARDED_POST_FORWARD:
+                shard, self._post_forward_shard = self._post_forward_shard, None
+                assert shard is not None, "SHARDED_POST_FORWARD keeps a shard until it is gathered"
+                self._gathering = self.buffers.start_block_all_gather(shard, async_op=async_op)
+            else:
+                self._gathering = self.buffers.start_all_gather(self.policy.param_dtype, async_op=async_op)
         if not async_op:
             self.wait_unshard()
 
@@ -90,62 +90,33 @@ class ParamGroup:
             return
         gathered = self._gathering.wait()
         self._gathering = None
-        shard_dim = self.mesh.ndim - 1
-        per_rank = gathered.view(self.mesh.size(shard_dim), self.group_numel)  # (shard world, group_numel)
-        if self._partial_group is not None and torch._C._current_graph_task_id() == -1:
-            # forward under reshard_after_forward=k: keep only the block this rank holds after it
-            k = self._partial_group.size()
-            self._kept = per_rank.view(k, -1, self.group_numel)[self._partial_block].clone()
-        for p, offset in zip(self.params, self.offsets):
-            p.fill_unsharded(per_rank[:, offset : offset + p.slot_numel])
+        self.buffers.copy_out(gathered)
+        for p in self.params:
             assert p.unsharded is not None
             p.register(p.unsharded)
-        self.is_unsharded = True
-        self.expect_grads()
+        self.state = ShardedState.UNSHARDED
 
     def reshard(self) -> None:
-        """Register the sharded parameters again and free the unsharded data."""
+        """Register the sharded parameters again and free the unsharded data (and any post-forward shard)."""
         if self._gathering is not None:  # a prefetch nobody used: land it, so buffers stay in step
             self.wait_unshard()
-        if not self.is_unsharded:
+        if self.state is ShardedState.UNSHARDED:
+            for p in self.params:
+                p.register(p.sharded)
+                p.free_unsharded()
+        self._post_forward_shard = None
+        self.state = ShardedState.SHARDED
+
+    def reshard_post_forward(self) -> None:
+        """After forward under reshard_after_forward=k: keep this rank's post-forward shard (1 / k of the
+        parameters), free the rest; the next unshard in backward gathers over k ranks only."""
+        if not self.params:
             return
-        for p in self.params:
-            p.register(p.sharded)
-            p.free_unsharded()
-        self.is_unsharded = False
-        self._kept = None
-
-    def use_partial_reshard(self, k: int) -> None:
-        """Join the k-rank groups of reshard_after_forward=k: consecutive ranks of the shard dim,
-        for every coordinate of the root's other dims (created once per root, dims and k: every
-        rank of the world makes the same new_group calls in the same order)."""
-        root, shard_dims = self.mesh._root, self.mesh._root_dims[-1]
-        key = (id(root), shard_dims, k)
-        if key not in _PARTIAL_GROUPS:
-            rest = [d for d in range(root.ndim) if d not in shard_dims]
-            world = self.mesh.size(self.mesh.ndim - 1)
-            rows = root.mesh.permute(*rest, *shard_dims).reshape(-1, world).tolist()
-            me, mine = torch.distributed.get_rank(), None
-            for row in rows:
-                for start in range(0, world, k):
-                    ranks = row[start : start + k]
-                    group = torch.distributed.new_group(ranks)
-                    if me in ranks:
-                        mine = (group, ranks.index(me))
-            assert mine is not None, "this rank is on the mesh, so in one of its rows"
-            _PARTIAL_GROUPS[key] = (root, *mine)  # the root is held so its id stays unique
-        _, self._partial_group, self._partial_block = _PARTIAL_GROUPS[key]
-
-    def drop_partial(self) -> None:
-        self._partial = None
-
-    def reshard_to_partial(self) -> None:
-        """After forward, reshard_after_forward=k: keep this rank's block of the gathered slots
-        (world / k of them, so 1 / k of the parameters) and free the rest; the next unshard
-        gathers over k ranks only."""
-        kept = self._kept
+        assert self.state is ShardedState.UNSHARDED and self._gathering is None, f"post-forward from {self.state}"
+        shard = self.buffers.post_forward_shard()
         self.reshard()
-        self._partial = kept
+        self._post_forward_shard = shard
+        self.state = ShardedState.SHARDED_POST_FORWARD
 
     # ------------------------------------------------------------------------------ gradients
     def expect_grads(self) -> None:
@@ -156,6 +127,9 @@ class ParamGroup:
         """Note that `param`'s unsharded grad is complete; True once every param that needs one has it."""
         self._waiting.discard(self.params.index(param))
         return not self._waiting
+
+    def holds_grads(self) -> bool:
+        return any(p.holds_grad() for p in self.params)
 
     def reduce_grads(self, *, async_op: bool = False) -> None:
         """Reduce-scatter (average) every unsharded grad in one collective into the sharded grads;
@@ -169,14 +143,8 @@ class ParamGroup:
         pending = [(p, g) for p in self.params if (g := p.take_unsharded_grad(reduce_dtype)) is not None]
         if not pending:
             return
-        blocks = [p.reduce_scatter_input(g) for p, g in pending]  # each (world, slot)
-        dtype = blocks[0].dtype
-        flat = torch.cat([b.to(dtype) for b in blocks], dim=1)  # (world, numel of these slots)
-        group = self.mesh.get_group(self.mesh.ndim - 1)
-        self._reducing = (
-            collectives.start_reduce_scatter_flat(flat.reshape(-1), "avg", group, async_op=async_op),
-            [p for p, _ in pending],
-        )
+        in_flight = self.buffers.start_reduce_scatter(pending, async_op=async_op)
+        self._reducing = (in_flight, [p for p, _ in pending])
         if not async_op:
             self.finish_reduce()
 
@@ -186,13 +154,7 @@ class ParamGroup:
             return
         in_flight, params = self._reducing
         self._reducing = None
-        reduced = in_flight.wait()
-        if self.mesh.ndim > 1:  # HSDP: every replica of this shard averages it with the others
-            reduced = collectives.all_reduce(reduced, "avg", self.mesh.get_group(0), self.mesh.size(0))
-        offset = 0
-        for p in params:
-            p.accumulate_sharded_grad(reduced[offset : offset + p.slot_numel])
-            offset += p.slot_numel
+        self.buffers.land_reduce_scatter(in_flight, params)
 
     def stash_grads(self) -> None:
         """No sync this backward: keep each unsharded grad for the next synced backward."""

@@ -1,4 +1,4 @@
-"""FSDPParam: one parameter's two forms under fully_shard, and its slot in the group's flat buffers.
+"""FSDPParam: one parameter's two forms under fully_shard, and the size of its slot in the flat buffers.
 
 Sharded form: an `nn.Parameter` wrapping a DTensor placed `Shard(0)` on a 1-D mesh, or
 `(Replicate(), Shard(0))` on a 2-D (replicate, shard) mesh (HSDP); its local tensor is exactly this
@@ -23,12 +23,14 @@ order, and its placement is `_StridedShard(0, split_factor=tp)`: each rank's row
 contiguous range at an exact global offset (see placements._StridedShard).
 
 Slot: in the group's flat buffers every rank contributes `rows * row_numel` elements per parameter
-(its shard flattened and zero-padded), so buffer offsets are identical on every rank.
+(its shard flattened and zero-padded), so buffer offsets are identical on every rank; collectives.py
+lays the slots out and moves them.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable
 from typing import cast
 
@@ -86,7 +88,6 @@ class FSDPParam:
         self.sharded = nn.Parameter(sharded, requires_grad=param.requires_grad)
         self.unsharded: nn.Parameter | None = None  # built at the first unshard, in the gather dtype
         self._padded: torch.Tensor | None = None  # (world * rows, *rest) storage behind `unsharded`
-        self._zeros = local.new_zeros(self.slot_numel - self.local_numel)  # pads the all-gather input
         self.accumulated_grad: torch.Tensor | None = None  # unsynced grads (set_requires_gradient_sync)
         self.on_grad_ready: Callable[[FSDPParam], None] | None = None  # set by the owning group
 
@@ -98,14 +99,7 @@ class FSDPParam:
     def requires_grad(self) -> bool:
         return self.sharded.requires_grad
 
-    # ------------------------------------------------------------------------------ all-gather side
-    def all_gather_inputs(self) -> list[torch.Tensor]:
-        """This rank's shard flattened, then its zero padding: `slot_numel` elements together."""
-        local = self.local_shard().detach().reshape(-1)  # (local_numel,)
-        if self._zeros.device != local.device or self._zeros.dtype != local.dtype:
-            self._zeros = local.new_zeros(self._zeros.numel())  # the shard moved (to_empty after meta init)
-        return [local, self._zeros] if self._zeros.numel() else [local]
-
+    # ------------------------------------------------------------------------------ unsharded form
     def fill_unsharded(self, gathered: torch.Tensor) -> None:
         """Copy this parameter's slot of every rank, `gathered` (world, slot_numel), into the
         unsharded storage (allocating it first). Rows past dim 0 are the padding and stay hidden."""
@@ -128,8 +122,15 @@ class FSDPParam:
             data = DTensor.from_local(data, tp.mesh, tp.placements, shape=tp.shape, stride=tp.stride)
         self.unsharded = nn.Parameter(data, requires_grad=self.requires_grad)
         if self.requires_grad and self.on_grad_ready is not None:
-            on_grad_ready = self.on_grad_ready
-            self.unsharded.register_post_accumulate_grad_hook(lambda _: on_grad_ready(self))
+            # weakly: gc does not traverse a tensor's hooks, so a strong reference here would keep
+            # this parameter, its state and the whole model alive after the model is dropped
+            this = weakref.ref(self)
+            self.unsharded.register_post_accumulate_grad_hook(lambda _: _grad_ready(this))
+
+    def unsharded_slots(self) -> torch.Tensor:
+        """The unsharded storage as (world, slot_numel): row r is rank r's padded shard."""
+        assert self._padded is not None and self._padded.untyped_storage().size() > 0, "not unsharded"
+        return self._padded.view(self.world, self.slot_numel)
 
     def free_unsharded(self) -> None:
         """Release the unsharded data (the tensor object survives for autograd's saved references)."""
@@ -168,24 +169,26 @@ class FSDPParam:
         if grad is not None:
             self.accumulated_grad = grad
 
-    def reduce_scatter_input(self, grad: torch.Tensor) -> torch.Tensor:
-        """(world, slot_numel): row r is rank r's chunk of `grad`, flattened and zero-padded."""
-        flat = grad.reshape(-1)  # (global numel,)
-        missing = self.world * self.slot_numel - flat.numel()
-        if missing:
-            flat = torch.cat([flat, flat.new_zeros(missing)])
-        return flat.view(self.world, self.slot_numel)
+    def holds_grad(self) -> bool:
+        """Whether an unsharded gradient (this backward's, or stashed without sync) awaits reduction."""
+        return self.accumulated_grad is not None or (self.unsharded is not None and self.unsharded.grad is not None)
 
     def accumulate_sharded_grad(self, reduced: torch.Tensor) -> None:
-        """Add this rank's reduced slot (slot_numel,) to the sharded parameter's DTensor grad."""
+        """Add this rank's reduced shard (local_numel,) to the sharded parameter's DTensor grad."""
         local = self.local_shard()
-        local_grad = reduced[: self.local_numel].view(local.shape).to(local.dtype)
+        local_grad = reduced.view(local.shape).to(local.dtype)
         if self.sharded.grad is None:
             self.sharded.grad = DTensor.from_local(
                 local_grad, self.spec_mesh, self.placements, shape=self.global_shape, stride=self.sharded.stride()
             )
         else:
             cast(DTensor, self.sharded.grad).to_local().add_(local_grad)
+
+
+def _grad_ready(ref: weakref.ref[FSDPParam]) -> None:
+    param = ref()
+    if param is not None and param.on_grad_ready is not None:
+        param.on_grad_ready(param)
 
 
 def _local_chunk(full: torch.Tensor, world: int, index: int, device: torch.device) -> torch.Tensor:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _world
@@ -146,6 +149,52 @@ def flatten_cases() -> None:
 
 def test_flatten_is_cached_on_root_and_matches_torch():
     run_world(flatten_cases, 8)
+
+
+# --------------------------------------------------------------------------------------------------
+# block groups (fully_shard's reshard_after_forward=k)
+# --------------------------------------------------------------------------------------------------
+
+
+def block_group_cases() -> dict:
+    rank = dist.get_rank()
+    root = DeviceMesh("cpu", torch.arange(8).view(2, 4), mesh_dim_names=("dp_replicate", "dp_shard"))
+    before = pg_count()
+    pairs = root["dp_shard"].block_group(0, 2)
+    created = pg_count() - before
+    quads = root.flatten("dp").block_group("dp", 4)  # blocks of a flattened dim, in its row-major order
+    cached_before = pg_count()
+    same = root.block_group("dp_shard", 2) is pairs and root["dp"].block_group(0, 4) is quads
+    out = {
+        "pairs": dist.get_process_group_ranks(pairs),
+        "quads": dist.get_process_group_ranks(quads),
+        "created": created,
+        "cached": same and pg_count() == cached_before,
+        "keys": sorted(root._block_groups),
+        "weak": all(isinstance(r, weakref.ref) for r in root._block_groups.values()),
+        "whole_dim": root.block_group("dp_shard", 4) is root.get_group("dp_shard"),
+        "index": root.get_local_rank("dp_shard") % 2 == dist.get_process_group_ranks(pairs).index(rank),
+    }
+    try:
+        root.block_group("dp_shard", 3)
+    except ValueError as e:
+        out["error"] = str(e)
+    alive = weakref.ref(root)
+    del root, pairs, quads
+    gc.collect()
+    out["freed"] = alive() is None
+    return out
+
+
+def test_block_groups_are_cached_on_the_root_and_freed_with_it():
+    for rank, r in enumerate(run_world(block_group_cases, 8)):
+        start = rank // 2 * 2
+        assert r["pairs"] == [start, start + 1] and r["quads"] == list(range(rank // 4 * 4, rank // 4 * 4 + 4)), r
+        assert r["created"] == 1, r  # c10d maps only the group holding this rank
+        assert r["cached"] and r["weak"] and r["whole_dim"] and r["index"], r
+        assert r["keys"] == [((0, 1), 4), ((1,), 2)], r
+        assert "block_size 3 must divide the size 4 of mesh dim 'dp_shard'" in r["error"], r
+        assert r["freed"], r
 
 
 # --------------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import torch.nn as nn
 
 from parallelisms.dtensor.debug import CommDebugMode
 from parallelisms.fsdp import fully_shard
+from parallelisms.fsdp.group import ShardedState
 from tests.dtensor.harness import get_mesh
 from tests.world import run_world
 
@@ -55,10 +56,10 @@ def _record(model: Stack) -> list[tuple[str, int]]:
     for i, block in enumerate(model.blocks):
         group = block._fsdp_state.group
 
-        def unshard(*, async_op: bool = False, _f=group.unshard, _g=group, _i=i) -> None:
+        def unshard(*, async_op: bool = False, _f=group.unshard, _g=group, _i=i, **kwargs) -> None:
             if not _g.is_unsharded and not _g.is_gathering:
                 events.append(("issue", _i))
-            _f(async_op=async_op)
+            _f(async_op=async_op, **kwargs)
 
         def wait_unshard(_f=group.wait_unshard, _g=group, _i=i) -> None:
             if _g.is_gathering:
@@ -222,7 +223,8 @@ def _partial_reshard(k: int | bool = 2) -> dict[str, object]:
     fully_shard(model, mesh=mesh)
     group = model.blocks[0]._fsdp_state.group
     kept = []
-    model.blocks[1].register_forward_pre_hook(lambda m, a: kept.append(group._partial is not None))
+    post_forward = ShardedState.SHARDED_POST_FORWARD
+    model.blocks[1].register_forward_pre_hook(lambda m, a: kept.append(group.state is post_forward))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for seed in range(3):
         _step(model, seed)
