@@ -1,0 +1,154 @@
+"""The interpreter: runs one rank's lowered action list (`lowering.lower_schedule`) over its stages.
+
+One step of a schedule, for every microbatch m of every local stage s:
+    RECV_F  post the receive of s's input from stage s-1's rank      (waited by the F that reads it)
+    F       s's forward on its input (the microbatch on stage 0); the last stage computes the loss
+    SEND_F  post the send of s's output to stage s+1's rank
+    RECV_B  post the receive of the gradient of s's output             (waited by the B that reads it)
+    B       s's backward from that gradient (from the loss on the last stage); frees m's activations
+    SEND_B  post the send of the gradient of s's input to stage s-1's rank
+Adjacent stages on the same rank (interleaved and V placements) hand tensors over directly: the lowering
+puts no transfer between them. Sends and receives are posted when their action comes and waited where the
+data is needed (sends at the end of the step): the order every rank posts them in is the schedule's,
+which the simulator has checked cannot deadlock. Each microbatch's activations are freed as soon as its
+backward has run, so 1F1B holds at most pp microbatches per stage.
+
+Split backward (I/W, zero-bubble schedules) and the FSDP actions are refused for now, with the schedules
+that run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .actions import Action, ActionKind
+from .p2p import PendingRecv, PendingSend, post_recv, post_send
+from .stage import PipelineStage
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (last stage's output, target) -> loss
+_RUNNABLE = {ActionKind.F, ActionKind.B, ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B}
+
+
+@dataclass
+class _Activations:
+    """What one microbatch left on one stage until its backward."""
+
+    input: torch.Tensor | None = None  # requires grad on stages > 0: its .grad goes back a stage
+    output: torch.Tensor | None = None
+    loss: torch.Tensor | None = None
+    input_grad: torch.Tensor | None = None
+
+
+@dataclass
+class StepResult:
+    """Per microbatch, the loss the last stage computed (empty on ranks without the last stage)."""
+
+    losses: list[torch.Tensor] = field(default_factory=list)
+    peak_live_microbatches: dict[int, int] = field(default_factory=dict)  # stage -> most activations held
+
+
+class PipelineSchedule:
+    """Runs `actions` (this rank's lowered list) over `stages` (this rank's stages) once per `step`."""
+
+    def __init__(self, stages: Sequence[PipelineStage], actions: Sequence[Action], loss_fn: LossFn) -> None:
+        unsupported = sorted({a.kind.value for a in actions if a.kind not in _RUNNABLE})
+        if unsupported:
+            raise NotImplementedError(
+                f"the pipeline runtime does not run {unsupported} actions yet (split backward I/W of the zero-bubble "
+                f"schedules, FSDP's UNSHARD/RESHARD/REDUCE_GRAD); use GPipe, 1F1B, Interleaved1F1B or LoopedBFS"
+            )
+        self.stages = {s.stage_index: s for s in stages}
+        self.actions, self.loss_fn = list(actions), loss_fn
+        missing = sorted({a.stage for a in actions} - set(self.stages))
+        if missing:
+            raise ValueError(f"the schedule runs stages {missing}, which this rank does not hold")
+
+    def step(self, inputs: Sequence[torch.Tensor] | None, targets: Sequence[torch.Tensor] | None) -> StepResult:
+        """One forward and backward of every microbatch. `inputs` (the first stage's rank) and `targets` (the
+        last stage's rank) hold one tensor per microbatch; the gradients accumulate in the stages' parameters."""
+        live: dict[tuple[int, int], _Activations] = {}
+        recvs: dict[tuple[int, ActionKind, int], PendingRecv] = {}
+        sends: list[PendingSend] = []
+        result, result_losses = StepResult(), {}
+        for action in self.actions:
+            stage = self.stages[action.stage]
+            s, m = action.stage, action.microbatch
+            assert m is not None
+            kind = action.kind
+            if kind is ActionKind.RECV_F:
+                assert stage.input_meta is not None
+                recvs[s, kind, m] = post_recv(stage.input_meta, stage.peer(s - 1), stage.device)
+            elif kind is ActionKind.RECV_B:
+                assert stage.output_meta is not None
+                recvs[s, kind, m] = post_recv(stage.output_meta, stage.peer(s + 1), stage.device)
+            elif kind is ActionKind.F:
+                acts = live.setdefault((s, m), _Activations())
+                self._forward(stage, m, acts, live, recvs, inputs, targets)
+                count = sum(1 for key in live if key[0] == s)
+                result.peak_live_microbatches[s] = max(result.peak_live_microbatches.get(s, 0), count)
+            elif kind is ActionKind.SEND_F:
+                assert live[s, m].output is not None
+                sends.append(post_send(live[s, m].output.detach(), stage.peer(s + 1)))  # type: ignore[union-attr]
+            elif kind is ActionKind.B:
+                loss = self._backward(stage, m, live, recvs)
+                if loss is not None:
+                    result_losses[m] = loss
+            elif kind is ActionKind.SEND_B:
+                acts = live.pop((s, m))
+                assert acts.input_grad is not None, f"stage {s} microbatch {m}: SEND_B before its B"
+                sends.append(post_send(acts.input_grad, stage.peer(s - 1)))
+        for send in sends:
+            send.wait()
+        if live or recvs:
+            raise RuntimeError(
+                f"the schedule left (stage, microbatch) activations {sorted(live)} and receives "
+                f"{sorted((s, k.value, m) for s, k, m in recvs)} unconsumed: it is not a whole step"
+            )
+        result.losses = [result_losses[m] for m in sorted(result_losses)]
+        return result
+
+    def _forward(
+        self, stage: PipelineStage, m: int, acts: _Activations, live: dict, recvs: dict,
+        inputs: Sequence[torch.Tensor] | None, targets: Sequence[torch.Tensor] | None,
+    ) -> None:  # fmt: skip
+        s = stage.stage_index
+        if stage.is_first:
+            assert inputs is not None, "the first stage's rank needs the microbatch inputs"
+            x = inputs[m]
+        elif stage.is_local(s - 1):  # the previous stage is ours: hand its output over, cut from its graph
+            x = live[s - 1, m].output.detach().requires_grad_()
+        else:
+            x = recvs.pop((s, ActionKind.RECV_F, m)).wait().requires_grad_()
+        acts.input = x
+        out = stage.module(x)
+        if stage.is_last:
+            assert targets is not None, "the last stage's rank needs the microbatch targets"
+            acts.loss = self.loss_fn(out, targets[m])
+        else:
+            acts.output = out
+
+    def _backward(self, stage: PipelineStage, m: int, live: dict, recvs: dict) -> torch.Tensor | None:
+        """Stage s's backward of microbatch m; returns the loss on the last stage."""
+        s = stage.stage_index
+        acts = live[s, m]
+        loss = None
+        if stage.is_last:
+            assert acts.loss is not None
+            acts.loss.backward()
+            loss = acts.loss.detach()
+        else:
+            if stage.is_local(s + 1):
+                grad = live[s + 1, m].input_grad
+                live.pop((s + 1, m))  # its gradient is taken: the next stage's activations are done
+            else:
+                grad = recvs.pop((s, ActionKind.RECV_B, m)).wait()
+            assert acts.output is not None and grad is not None
+            torch.autograd.backward(acts.output, grad)
+        acts.input_grad = None if stage.is_first or acts.input is None else acts.input.grad
+        acts.output, acts.loss = None, None  # the graph is gone: only the input's gradient is left to send
+        if stage.is_first:
+            live.pop((s, m))
+        return loss

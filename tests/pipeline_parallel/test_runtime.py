@@ -1,0 +1,109 @@
+"""The pipeline interpreter on real gloo worlds: every schedule it runs gives the gradients of one process
+running the whole model on the same microbatches, 1F1B holds at most pp microbatches per stage, and the
+schedules it cannot run yet are refused naming the ones it can."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parallelisms.pipeline_parallel import get_schedule, lower_schedule, rank_to_stages, stage_to_rank
+from parallelisms.pipeline_parallel.runtime import PipelineSchedule
+from parallelisms.pipeline_parallel.stage import BoundaryMeta, PipelineStage
+from tests.world import run_world
+
+DIM, MB, LAYERS_PER_STAGE = 8, 3, 2
+
+
+def _whole_model(num_stages: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(num_stages * LAYERS_PER_STAGE):
+        layers += [nn.Linear(DIM, DIM), nn.Tanh()]
+    return nn.Sequential(*layers)
+
+
+def _stage_part(model: nn.Sequential, stage: int) -> nn.Sequential:
+    per = 2 * LAYERS_PER_STAGE  # a Linear and a Tanh per layer
+    return model[stage * per : (stage + 1) * per]  # shares the parameters: grads land in `model`
+
+
+def _microbatches(n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(MB, DIM, generator=g) for _ in range(n)], [torch.randn(MB, DIM, generator=g) for _ in range(n)]
+
+
+def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return (out - target).pow(2).sum()
+
+
+def _run(schedule_name: str, stages_per_rank: int, num_microbatches: int) -> dict:
+    pp, rank = dist.get_world_size(), dist.get_rank()
+    spec = get_schedule(schedule_name)
+    num_stages = pp * stages_per_rank
+    mapping = stage_to_rank(pp, stages_per_rank, spec.placement)
+    actions = lower_schedule(spec.generate(pp, stages_per_rank, num_microbatches), mapping, num_microbatches)[rank]
+    model = _whole_model(num_stages)
+    meta = BoundaryMeta((MB, DIM), torch.float32)
+    mine = rank_to_stages(pp, stages_per_rank, spec.placement)[rank]
+    stages = [
+        PipelineStage(
+            _stage_part(model, s), s, num_stages, dist.group.WORLD, mapping, torch.device("cpu"),  # type: ignore[arg-type]
+            input_meta=None if s == 0 else meta, output_meta=None if s == num_stages - 1 else meta,
+        )
+        for s in mine
+    ]  # fmt: skip
+    inputs, targets = _microbatches(num_microbatches)
+    runner = PipelineSchedule(stages, [a for a in actions if a is not None], _loss)
+    result = runner.step(inputs if 0 in mine else None, targets if num_stages - 1 in mine else None)
+    grads = {
+        f"{s}.{name}": p.grad.clone()
+        for s in mine
+        for name, p in _stage_part(model, s).named_parameters()
+        if p.grad is not None
+    }
+    # the reference: the whole model, every microbatch, on this process
+    reference = _whole_model(num_stages)
+    sum(_loss(reference(x), y) for x, y in zip(inputs, targets)).backward()  # type: ignore[union-attr]
+    expected = {f"{s}.{n}": p.grad for s in mine for n, p in _stage_part(reference, s).named_parameters()}
+    ref_losses = [_loss(reference(x), y).detach() for x, y in zip(inputs, targets)]
+    return {
+        "grads": grads, "expected": expected, "losses": result.losses, "ref_losses": ref_losses,
+        "peaks": result.peak_live_microbatches, "last": num_stages - 1 in mine,
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "schedule, stages_per_rank, world, microbatches",
+    [
+        ("GPipe", 1, 2, 4),
+        ("1F1B", 1, 2, 4),
+        ("1F1B", 1, 4, 8),
+        ("Interleaved1F1B", 2, 2, 4),
+        ("Interleaved1F1B", 2, 4, 8),
+        ("LoopedBFS", 2, 2, 4),
+    ],
+)
+def test_schedules_give_the_gradients_of_one_process(
+    schedule: str, stages_per_rank: int, world: int, microbatches: int
+) -> None:
+    for rank, got in enumerate(run_world(_run, world, schedule, stages_per_rank, microbatches)):
+        assert got["grads"].keys() == got["expected"].keys(), rank
+        for name, grad in got["grads"].items():
+            torch.testing.assert_close(grad, got["expected"][name], rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}")
+        if got["last"]:
+            torch.testing.assert_close(torch.stack(got["losses"]), torch.stack(got["ref_losses"]))
+        if schedule == "1F1B":  # activations freed as soon as the backward ran: at most pp microbatches
+            assert all(n <= world for n in got["peaks"].values()), got["peaks"]
+        if schedule == "GPipe":
+            assert all(n == microbatches for n in got["peaks"].values()), got["peaks"]
+
+
+def test_split_backward_schedules_are_refused_naming_the_ones_that_run() -> None:
+    spec = get_schedule("ZBVZeroBubble")
+    mapping = stage_to_rank(2, 2, spec.placement)
+    actions = lower_schedule(spec.generate(2, 2, 4), mapping, 4)[0]
+    with pytest.raises(NotImplementedError, match=r"\['I', 'W'\].*use GPipe, 1F1B, Interleaved1F1B or LoopedBFS"):
+        PipelineSchedule([], [a for a in actions if a is not None], _loss)
