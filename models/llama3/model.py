@@ -9,6 +9,7 @@ n_heads / tp query heads and n_kv_heads / tp key/value heads runs the same code.
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -155,7 +156,8 @@ class Transformer(nn.Module):
     def tie_weights(self) -> None:
         """Make the output projection use the embedding's weight (again, after a parallelization
         that distributed them one by one: both are (vocab, dim), split on vocab under TP)."""
-        self.output.weight = self.tok_embeddings.weight
+        if self.output is not None and self.tok_embeddings is not None:
+            self.output.weight = self.tok_embeddings.weight
 
     def _precompute_freqs_cis(self) -> torch.Tensor:
         args = self.model_args
@@ -167,17 +169,29 @@ class Transformer(nn.Module):
             self.tie_weights()
         with torch.device(buffer_device or self.freqs_cis.device):
             self.freqs_cis = self._precompute_freqs_cis()
-        if not self.model_args.tie_word_embeddings:  # tied: the output's init below (N(0, 1) logits would be huge)
-            nn.init.normal_(self.tok_embeddings.weight)
-        for layer in self.layers.values():
+        # A pipeline part (models/llama3/pipeline.py) lacks some modules; their meta stand-ins run their fills
+        # (writing nothing), so every part draws the random stream exactly as the whole model does.
+        args, absent = self.model_args, self.__dict__.get("pipeline_absent", {})
+        embedding = self.tok_embeddings or absent["tok_embeddings"]
+        if not args.tie_word_embeddings:  # tied: the output's init below (N(0, 1) logits would be huge)
+            nn.init.normal_(cast(torch.Tensor, embedding.weight))
+        for i in range(args.n_layers):
+            layer = self.layers[str(i)] if str(i) in self.layers else absent[f"layers.{i}"]
             layer.init_weights()  # type: ignore[operator]
-        self.norm.reset_parameters()
-        std = self.model_args.dim**-0.5
+        if self.norm is not None:
+            self.norm.reset_parameters()
+        output = self.output or absent["output"]
+        std = args.dim**-0.5
         cutoff = 3.0
-        nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-cutoff * std, b=cutoff * std)
+        nn.init.trunc_normal_(cast(torch.Tensor, output.weight), mean=0.0, std=std, a=-cutoff * std, b=cutoff * std)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(tokens)  # (B, T, D)   S(1) under sequence parallelism
+        """Logits (B, T, V) of tokens (B, T); a pipeline part without the embedding takes the previous
+        stage's hidden states (B, T, D) instead, and one without the output returns its own."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (B, T, D)  S(1) under SP
         for layer in self.layers.values():
             h = layer(h, self.freqs_cis)
-        return self.output(self.norm(h))  # (B, T, V)   S(-1) under loss parallelism
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h  # (B, T, V)   S(-1) under loss parallelism
+

@@ -65,8 +65,11 @@ def _trunc_normal_(
     tensor: torch.Tensor, mean: float = 0.0, std: float = 1.0, a: float = -2.0, b: float = 2.0, generator: Any = None
 ) -> torch.Tensor:
     """N(mean, std) truncated to [a, b] by the inverse CDF, from the layout-invariant stream."""
-    if generator is not None or tensor.is_meta:
+    if generator is not None:
         return _TORCH_TRUNC_NORMAL(tensor, mean, std, a, b, generator=generator)
+    if tensor.is_meta:  # a stand-in (a pipeline stage's absent module): its draw keeps the stream in step
+        _base_seed()
+        return tensor
     low, high = (_norm_cdf((x - mean) / std) for x in (a, b))
 
     def transform(v: torch.Tensor) -> torch.Tensor:  # v uniform in [0, 1)
@@ -91,6 +94,8 @@ def _fill(tensor: torch.Tensor, draw: Any, transform: Any) -> torch.Tensor:
     """Write this rank's part of the global stream, through `transform`, into its shard, a group
     of rows at a time (no shard-sized temporary: init peaks near the shards themselves)."""
     base = _base_seed()  # drawn on every rank, shard or not, so the generators stay in step
+    if _local(tensor).is_meta:  # nothing to write (a stand-in): the draw alone keeps later fills in place
+        return tensor
     if isinstance(tensor, DTensor):
         if tensor.device_mesh.get_coordinate() is None:
             return tensor

@@ -1,0 +1,84 @@
+"""Splitting a Llama into pipeline model parts that keep the global FQNs.
+
+`module_fqns_per_stage` is torchtitan's split (`generate_llm_fqn_per_model_part`): the embedding counts as
+`first_stage_less_layers` layers and norm + output as `last_stage_less_layers`, and the effective layers are
+spread evenly over the stages, earlier stages taking the remainder. `split_model` keeps one stage's modules
+of a (meta) model and drops the others, so `layers.5.attention.wq.weight` is called so on whichever stage
+owns it, and every checkpoint is one model. A part's forward reads the previous stage's hidden states (or
+the tokens, on the first stage) and returns the next one's (or the logits, on the last).
+"""
+
+from __future__ import annotations
+
+import copy
+
+from torch import nn
+
+from .model import Transformer
+
+
+def module_fqns_per_stage(
+    num_stages: int, n_layers: int, *, first_stage_less_layers: int = 1, last_stage_less_layers: int = 1
+) -> list[list[str]]:
+    """The module names of each stage (parallelism.pipeline_parallel_first/last_stage_less_layers)."""
+    if num_stages == 1:
+        return [["tok_embeddings", *(f"layers.{i}" for i in range(n_layers)), "norm", "output"]]
+    effective = n_layers + first_stage_less_layers + last_stage_less_layers
+    per_stage, extra = divmod(effective, num_stages)
+    if per_stage == 0 or max(first_stage_less_layers, last_stage_less_layers) > per_stage:
+        raise ValueError(
+            f"{num_stages} pipeline stages over {n_layers} layers + {first_stage_less_layers} (embedding) + "
+            f"{last_stage_less_layers} (norm, output) = {effective} effective layers is {per_stage} per stage: "
+            f"every stage needs a layer and the embedding / output weights may not outweigh one stage; lower "
+            f"parallelism.pipeline_parallel_degree or the *_stage_less_layers, or set module_fqns_per_model_part"
+        )
+    parts, layer = [], 0
+    for stage in range(num_stages):
+        budget = per_stage + (1 if stage < extra else 0)
+        names = ["tok_embeddings"] if stage == 0 else []
+        budget -= first_stage_less_layers if stage == 0 else 0
+        budget -= last_stage_less_layers if stage == num_stages - 1 else 0
+        take = min(max(budget, 0), n_layers - layer)
+        names += [f"layers.{i}" for i in range(layer, layer + take)]
+        layer += take
+        parts.append(names + (["norm", "output"] if stage == num_stages - 1 else []))
+    if layer != n_layers:
+        raise ValueError(f"the split placed {layer} of {n_layers} layers; set module_fqns_per_model_part")
+    return parts
+
+
+def split_model(model: Transformer, fqns: list[str]) -> Transformer:
+    """A copy of `model` (build it on meta) with only the modules `fqns` names; the others become None
+    (top-level) or are removed from `layers`, so the parameters keep their global names."""
+    known = {"tok_embeddings", "norm", "output", *(f"layers.{name}" for name in model.layers)}
+    unknown = sorted(set(fqns) - known)
+    if unknown:
+        raise ValueError(
+            f"module_fqns_per_model_part names {unknown}, which the model does not have; its modules are "
+            f"tok_embeddings, layers.0..layers.{len(model.layers) - 1}, norm, output"
+        )
+    part = copy.deepcopy(model)
+    keep = set(fqns)
+    # the dropped modules stay, on meta and unregistered, as stand-ins whose init draws what theirs would
+    # (Transformer.init_weights): every part then gets the whole model's weights under one seed
+    absent: dict[str, nn.Module] = {}
+    for name in ("tok_embeddings", "norm", "output"):
+        if name not in keep:
+            absent[name] = getattr(part, name).to_empty(device="meta")
+            setattr(part, name, None)
+    for name in list(part.layers):
+        if f"layers.{name}" not in keep:
+            absent[f"layers.{name}"] = part.layers[name].to_empty(device="meta")
+            del part.layers[name]
+    part.__dict__["pipeline_absent"] = absent
+    if part.model_args.tie_word_embeddings and (part.tok_embeddings is None) != (part.output is None):
+        raise NotImplementedError(
+            "tied embeddings across pipeline stages (the 1B flavor with pipeline_parallel_degree > 1) are not "
+            "supported yet: the embedding and the output must be on one stage"
+        )
+    return part
+
+
+def is_part(module: nn.Module) -> bool:
+    """Whether `module` is a pipeline part (some of the embedding, norm or output are absent)."""
+    return isinstance(module, Transformer) and None in (module.tok_embeddings, module.norm, module.output)
