@@ -173,7 +173,7 @@ def _stage(
         else:
             values[key] = leaf.value
     if world_size > 1:
-        _check_same_on_every_rank(tensors, values, group)
+        tensors, values = _merge_ranks(tensors, values, group, rank)
     owners = assign_owners({k: (t.dtype.itemsize, t.held) for k, t in tensors.items()})
     mine = []
     for key, t in tensors.items():
@@ -204,27 +204,52 @@ def _to_cpu(t: torch.Tensor, *, copy: bool) -> torch.Tensor:
     return staged
 
 
-def _check_same_on_every_rank(
-    tensors: dict[str, _Tensor], values: dict[str, Any], group: dist.ProcessGroup | None
-) -> None:
-    """Every rank must save the same keys, with the same global shapes, dtypes and layouts (one
-    all_gather of a digest; the keys are exchanged only to name a mismatch)."""
-    described = [(k, str(t.dtype), t.global_shape, t.layout, [h.rank for h in t.held]) for k, t in tensors.items()]
-    described += [(k, "value") for k in values]  # type: ignore[misc]
-    digest = hashlib.sha256(repr(described).encode()).digest()[:8]
+def _merge_ranks(
+    tensors: dict[str, _Tensor], values: dict[str, Any], group: dist.ProcessGroup | None, rank: int
+) -> tuple[dict[str, _Tensor], dict[str, Any]]:
+    """The checkpoint's tensors and values over every rank of `group`.
+
+    SPMD ranks pass the same keys (one all_gather of a digest says so, the common case). Pipeline stages pass
+    only their own: then the ranks exchange what they hold and each key is saved from the ranks that have
+    it (a plain tensor is the same on each of them). A key two ranks describe differently (shape, dtype,
+    placements, or another JSON value) is refused, naming both ranks.
+    """
+    described = {
+        k: (str(t.dtype), t.global_shape, t.layout, [(h.rank, h.chunk) for h in t.held]) for k, t in tensors.items()
+    }
+    digest = hashlib.sha256(repr((sorted(described.items()), sorted(values.items(), key=repr))).encode()).digest()[:8]
     mine = torch.tensor(list(digest), dtype=torch.uint8)
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(everyone, mine, group=group)
     if all(torch.equal(d, mine) for d in everyone):
-        return
+        return tensors, values
+    mine_plain = {k: (d[0], d[1], d[2]) for k, d in described.items()}
     lists: list[Any] = [None] * len(everyone)
-    dist.all_gather_object(lists, described, group=group)
-    first = next(i for i, d in enumerate(lists) if d != described)
-    differ = sorted(set(map(repr, described)) ^ set(map(repr, lists[first])))[:5]
-    raise ValueError(
-        f"ranks {dist.get_rank()} and {first} save different state dicts (keys, shapes, dtypes or placements); "
-        f"first differences: {differ}. Every rank must pass the same keys, as in SPMD training."
-    )
+    dist.all_gather_object(lists, (mine_plain, {k: d[3] for k, d in described.items()}, values), group=group)
+    merged_tensors: dict[str, _Tensor] = {}
+    first_seen: dict[str, tuple[int, Any]] = {}
+    holders: dict[str, list[int]] = {}
+    for r, (their_tensors, _, their_values) in enumerate(lists):
+        for key, desc in their_tensors.items():
+            seen = first_seen.setdefault(key, (r, desc))
+            if seen[1] != desc:
+                raise ValueError(
+                    f"ranks {seen[0]} and {r} save {key!r} differently: {seen[1]} vs {desc} (dtype, global shape, "
+                    f"placements); every rank holding a tensor must describe it alike"
+                )
+            holders.setdefault(key, []).append(r)
+        for key, value in their_values.items():
+            if values.setdefault(key, value) != value:
+                raise ValueError(f"ranks save different values for {key!r}: {values[key]!r} vs {value!r} (rank {r})")
+    for key, (r, (dtype, shape, layout)) in sorted(first_seen.items()):
+        if layout == "plain":  # the same on every rank that holds it
+            full = Chunk((0,) * len(shape), tuple(shape))
+            held = [Holding(h, full) for h in holders[key]]
+        else:
+            held = [Holding(h, chunk) for h, chunk in lists[r][1][key]]
+        local = tensors[key].local if key in tensors else None
+        merged_tensors[key] = _Tensor(DTYPES[dtype.removeprefix("torch.")], shape, held, local, layout)
+    return merged_tensors, values
 
 
 def _start_directory(final: Path, group: dist.ProcessGroup | None, rank: int, world_size: int) -> Path:
