@@ -47,7 +47,9 @@ class ModelState:
 
 class OptimizerState:
     """`optimizer.state_dict()` with parameter FQNs in place of indices, so the moments reshard
-    with their parameters and survive a change of parallelism."""
+    with their parameters and survive a change of parallelism. The param groups keep their
+    hyperparameters only: which parameters a group holds follows from the model (a pipeline stage
+    holds some of them, another layout all), so it is not part of the state."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
@@ -61,15 +63,16 @@ class OptimizerState:
             self._init_state()
         raw = self.optimizer.state_dict()
         fqns = self._fqns()
-        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [fqns[i] for i in g["params"]]}
-                  for g in raw["param_groups"]]  # fmt: skip
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in raw["param_groups"]]
         return {"state": {fqns[i]: s for i, s in raw["state"].items()}, "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         groups = state_dict["param_groups"]
-        ours = [[self.names[id(p)] for p in g["params"]] for g in self.optimizer.param_groups]
-        if [g["params"] for g in groups] != ours:
-            raise ValueError("the checkpoint's optimizer param groups hold other parameters than this optimizer's")
+        if len(groups) != len(self.optimizer.param_groups):
+            raise ValueError(
+                f"the checkpoint's optimizer has {len(groups)} param groups, this one has "
+                f"{len(self.optimizer.param_groups)}"
+            )
         for target, loaded in zip(self.optimizer.param_groups, groups):
             target.update({k: v for k, v in loaded.items() if k != "params"})
 

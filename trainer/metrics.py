@@ -50,7 +50,7 @@ def flops_per_token(model: nn.Module, *, n_layers: int, n_heads: int, head_dim: 
     N counts global (not per-shard) parameter sizes: DTensor parameters report their global numel.
     """
     n_params = sum(p.numel() for p in model.parameters())
-    n_embedding = model.get_parameter("tok_embeddings.weight").numel()
+    n_embedding = model.get_parameter("tok_embeddings.weight").numel()  # the whole model (under PP too)
     return 6 * (n_params - n_embedding) + 12 * n_layers * n_heads * head_dim * seq_len
 
 

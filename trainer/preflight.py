@@ -81,6 +81,7 @@ def check_config(cfg: JobConfig, world_size: int | None = None) -> list[str]:
                 cfg.training.global_batch_size, cfg.training.local_batch_size, dims.dp_replicate * dims.dp_shard
             )
     _check_tp_divides_model(cfg)
+    _check_pipeline(cfg)
     _check_data(cfg)
     _check_checkpoint(cfg)
     _check_validation(cfg)
@@ -192,6 +193,59 @@ def _unwritable(folder: Any) -> str | None:
     if not os.access(existing, os.W_OK | os.X_OK):
         return f"{folder} cannot be {'written' if existing == folder else 'created'}: {existing} is not writable"
     return None
+
+
+def _check_pipeline(cfg: JobConfig) -> None:
+    """Under pipeline parallelism: a schedule the runtime runs, microbatches that split the local batch and
+    that the schedule accepts, a layer split that leaves no stage empty, and what is not built yet refused."""
+    p, training = cfg.parallelism, cfg.training
+    pp = p.pipeline_parallel_degree
+    if pp <= 1:
+        return
+    from models.llama3.args import llama3_configs  # dataclasses only, no torch
+    from models.llama3.stage_split import module_fqns_per_stage
+    from parallelisms.pipeline_parallel import get_schedule
+
+    spec = get_schedule(p.pipeline_parallel_schedule)
+    if spec.split_backward or p.pipeline_parallel_schedule_csv:
+        raise NotImplementedError(
+            f"parallelism.pipeline_parallel_schedule={p.pipeline_parallel_schedule!r}: the pipeline runtime does not "
+            f"run split-backward (zero-bubble) or CSV schedules yet; use GPipe, 1F1B, Interleaved1F1B or LoopedBFS"
+        )
+    not_yet = {
+        "parallelism.tensor_parallel_degree": p.tensor_parallel_degree > 1,
+        "parallelism.context_parallel_degree": p.context_parallel_degree > 1,
+        "validation.enable": cfg.validation.enable,
+    }
+    for key, set_ in not_yet.items():
+        if set_:
+            raise NotImplementedError(f"{key} with parallelism.pipeline_parallel_degree({pp}) > 1 is not supported "
+                                      f"yet; turn one of them off")  # fmt: skip
+    mb = p.pipeline_parallel_microbatch_size
+    if mb < 1 or training.local_batch_size % mb:
+        raise ValueError(
+            f"training.local_batch_size({training.local_batch_size}) must be a multiple of "
+            f"parallelism.pipeline_parallel_microbatch_size({mb}): each step splits it into pipeline microbatches"
+        )
+    if cfg.model.flavor in llama3_configs:
+        args = llama3_configs[cfg.model.flavor]
+        if args.tie_word_embeddings:
+            raise NotImplementedError(
+                f"model.flavor={cfg.model.flavor!r} ties its embedding and output, which pipeline stages cannot hold "
+                f"apart yet; use an untied flavor or parallelism.pipeline_parallel_degree=1"
+            )
+        per_rank = 1 if spec.single_stage else 2
+        if not p.module_fqns_per_model_part:
+            module_fqns_per_stage(
+                pp * per_rank, args.n_layers, first_stage_less_layers=p.pipeline_parallel_first_stage_less_layers,
+                last_stage_less_layers=p.pipeline_parallel_last_stage_less_layers,
+            )  # fmt: skip
+        try:
+            spec.generate(pp, per_rank, training.local_batch_size // mb)
+        except ValueError as e:
+            raise ValueError(f"parallelism.pipeline_parallel_schedule={p.pipeline_parallel_schedule!r} with "
+                             f"{training.local_batch_size // mb} microbatches (training.local_batch_size / "
+                             f"parallelism.pipeline_parallel_microbatch_size): {e}") from None  # fmt: skip
 
 
 def _check_validation(cfg: JobConfig) -> None:

@@ -29,6 +29,7 @@ from checkpoint.manager import CheckpointManager, StateRoles, check_model_args
 from checkpoint.stateful import ModelState, OptimizerState, RngState, Stateful
 from models.llama3 import Transformer, TransformerModelArgs, llama3_configs
 from models.llama3.parallelize import parallelize_llama
+from parallelisms.activation_checkpoint import ACMode
 from parallelisms.dtensor.init import layout_invariant_init
 from parallelisms.fsdp import MixedPrecisionPolicy
 from parallelisms.parallel_dims import ParallelDims
@@ -42,6 +43,7 @@ from .loss import build_cross_entropy
 from .lr_schedule import build_lr_scheduler
 from .metrics import MetricsLogger, flops_per_token
 from .optim import build_optimizer
+from .pipeline import Pipeline, PipelineParts, build_stages, pipeline_train_step, split_for_rank
 from .preemption import PreemptionWatch
 from .preflight import check_config
 from .profiling import Profiler
@@ -175,20 +177,7 @@ def build_model_and_optimizer(
     cfg: JobConfig, runtime: Runtime, vocab_size: int
 ) -> tuple[nn.Module, torch.optim.Optimizer, LambdaLR]:
     """The parallelized, initialized model, its optimizer and lr scheduler."""
-    # identical on every rank (run_job resolved a None seed): the init fills stay in step
-    torch.manual_seed(cast(int, cfg.training.seed))
-    model = build_model(cfg, vocab_size)
-    mp_policy = MixedPrecisionPolicy(param_dtype=runtime.precision.param, reduce_dtype=runtime.precision.reduce)
-    ac, p = cfg.activation_checkpoint, cfg.parallelism
-    parallelize_llama(
-        model, runtime.parallel_dims, runtime.world_mesh, loss_parallel=runtime.loss_parallel,
-        ac_mode=ac.mode, ac_selective_option=ac.selective_ac_option, ac_early_stop=ac.early_stop, mp_policy=mp_policy,
-        reshard_after_forward=p.fsdp_reshard_after_forward != "never",  # "default": always, until PP exists
-        compile_backend=cfg.compile.backend if cfg.compile.enable and "model" in cfg.compile.components else None,
-    )  # fmt: skip
-    init_model(model, runtime.device)
-    if cfg.training.dtype == "bfloat16":  # torchtitan's training.dtype: no float32 master weights at all
-        model.to(torch.bfloat16)
+    model = build_parallel_model(cfg, runtime, vocab_size)
     opt = cfg.optimizer
     optimizer = build_optimizer(
         model, name=opt.name, lr=opt.lr, eps=opt.eps, weight_decay=opt.weight_decay, betas=(opt.beta1, opt.beta2),
@@ -200,6 +189,43 @@ def build_model_and_optimizer(
         decay_type=sched.decay_type, min_lr_factor=sched.min_lr_factor,
     )  # fmt: skip
     return model, optimizer, scheduler
+
+
+def build_parallel_model(cfg: JobConfig, runtime: Runtime, vocab_size: int) -> nn.Module:
+    """The model parallelized (TP -> AC -> compile -> FSDP/DDP) and initialized; under pipeline parallelism
+    this rank's parts (`PipelineParts`, with their `Pipeline`), each initialized from the whole model's
+    random stream. One seed gives every layout the same global weights."""
+    whole = build_model(cfg, vocab_size)
+    pp = runtime.parallel_dims.pp_enabled
+    parts, stage_ids = [whole], [0]
+    if pp:
+        pp_mesh = runtime.world_mesh["pp"]
+        parts, stage_ids = split_for_rank(cfg, whole, pp_mesh.get_local_rank(), pp_mesh.size())
+    mp_policy = MixedPrecisionPolicy(param_dtype=runtime.precision.param, reduce_dtype=runtime.precision.reduce)
+    ac, p = cfg.activation_checkpoint, cfg.parallelism
+    # torchtitan's "default": reshard after forward, except under PP (each microbatch would gather again)
+    reshard = p.fsdp_reshard_after_forward == "always" or (p.fsdp_reshard_after_forward == "default" and not pp)
+    for part in parts:
+        parallelize_llama(
+            part, runtime.parallel_dims, runtime.world_mesh, loss_parallel=runtime.loss_parallel,
+            ac_mode=cast(ACMode, ac.mode),
+            ac_selective_option=ac.selective_ac_option, ac_early_stop=ac.early_stop, mp_policy=mp_policy,
+            reshard_after_forward=reshard,
+            compile_backend=cfg.compile.backend if cfg.compile.enable and "model" in cfg.compile.components else None,
+        )  # fmt: skip
+        # identical on every rank (run_job resolved a None seed): the init fills stay in step
+        torch.manual_seed(cast(int, cfg.training.seed))
+        init_model(part, runtime.device)
+        if cfg.training.dtype == "bfloat16":  # torchtitan's training.dtype: no float32 master weights at all
+            part.to(torch.bfloat16)
+    if not pp:
+        return whole
+    model = PipelineParts(parts, whole)
+    pp_mesh = runtime.world_mesh["pp"]
+    stages = build_stages(cfg, whole, parts, stage_ids, pp_mesh, runtime.device)
+    micro = cfg.training.local_batch_size // p.pipeline_parallel_microbatch_size
+    model.__dict__["pipeline"] = Pipeline(model, stages, p.pipeline_parallel_schedule, micro, pp_mesh.get_group())
+    return model
 
 
 def build_components(cfg: JobConfig, runtime: Runtime) -> Components:
@@ -217,8 +243,9 @@ def build_components(cfg: JobConfig, runtime: Runtime) -> Components:
         global_batch_size=training.global_batch_size if training.global_batch_size > 0 else None,
     )  # fmt: skip
     args = cast(TransformerModelArgs, model.model_args)
+    counted = model.whole if isinstance(model, PipelineParts) else model  # the whole model's FLOPs under PP too
     fpt = flops_per_token(
-        model, n_layers=args.n_layers, n_heads=args.n_heads, head_dim=args.head_dim, seq_len=training.seq_len
+        counted, n_layers=args.n_layers, n_heads=args.n_heads, head_dim=args.head_dim, seq_len=training.seq_len
     )
     tb_folder = tensorboard_folder(cfg, dist.get_rank())
     metrics = MetricsLogger(
@@ -251,7 +278,7 @@ def build_validator(
         return None
     source = build_held_out_windows(
         val.dataset, tokenizer, dataset_path=val.dataset_path, text_field=training.dataset_text_field,
-        seq_len=val.seq_len or training.seq_len, seed=training.seed,
+        seq_len=val.seq_len or training.seq_len, seed=cast(int, training.seed),
     )  # fmt: skip
     return Validator(
         source, freq=val.freq, steps=val.steps, local_batch_size=val.local_batch_size or training.local_batch_size,
@@ -329,12 +356,16 @@ def train_loop(cfg: JobConfig, runtime: Runtime, c: Components) -> list[float]:
             with c.metrics.timing_data():
                 micro = fetch_micro_batches(batches, c.loader.accumulation_steps, runtime.device)
             lr = float(c.scheduler.get_last_lr()[0])
-            result = train_step(
-                c.model, c.optimizer, micro, targets=global_target_count([y for _, y in micro], runtime.dp_cp_mesh),
-                dp_size=runtime.dp_size, max_norm=training.max_norm, use_loss_parallel=runtime.loss_parallel,
-                skip_nonfinite=training.skip_nonfinite_steps, autocast=runtime.precision.autocast,
-                cross_entropy=cross_entropy,
-            )  # fmt: skip
+            targets = global_target_count([y for _, y in micro], runtime.dp_cp_mesh)
+            if isinstance(c.model, PipelineParts):
+                result = pipeline_train_step(c.model.pipeline, c.optimizer, micro, targets=targets,
+                                             dp_size=runtime.dp_size, max_norm=training.max_norm)  # fmt: skip
+            else:
+                result = train_step(
+                    c.model, c.optimizer, micro, targets=targets, dp_size=runtime.dp_size, max_norm=training.max_norm,
+                    use_loss_parallel=runtime.loss_parallel, skip_nonfinite=training.skip_nonfinite_steps,
+                    autocast=runtime.precision.autocast, cross_entropy=cross_entropy,
+                )  # fmt: skip
             nonfinite.observe(step, result)
             c.scheduler.step()
             state.advance(step, tokens=sum(x.numel() for x, _ in micro) * runtime.dp_size, skipped=result.skipped)

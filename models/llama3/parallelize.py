@@ -66,15 +66,16 @@ def data_parallel_mesh(parallel_dims: ParallelDims, world_mesh: DeviceMesh) -> D
 
 
 def _check_supported(parallel_dims: ParallelDims) -> None:
-    unsupported = {
-        "cp": ("context_parallel_degree", parallel_dims.cp),
-        "pp": ("pipeline_parallel_degree", parallel_dims.pp),
-    }
-    for name, (key, degree) in unsupported.items():
-        if degree > 1:
-            raise NotImplementedError(
-                f"{name}_degree({degree}) > 1 is not supported by parallelize_llama yet; set parallelism.{key}=1"
-            )
+    if parallel_dims.cp > 1:
+        raise NotImplementedError(
+            f"cp_degree({parallel_dims.cp}) > 1 is not supported by parallelize_llama yet; set "
+            f"parallelism.context_parallel_degree=1"
+        )
+    if parallel_dims.pp > 1 and parallel_dims.tp > 1:
+        raise NotImplementedError(
+            f"pipeline_parallel_degree({parallel_dims.pp}) with tensor_parallel_degree({parallel_dims.tp}) is not "
+            f"supported yet (the sequence-sharded activations between stages are DTensors); set one of them to 1"
+        )
 
 
 def compile_supported(tp_degree: int) -> bool:
@@ -164,11 +165,14 @@ def apply_fsdp(
     for i, block in enumerate(blocks):
         last = i == len(blocks) - 1
         fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward and not last)
-    embeddings = model.get_submodule("tok_embeddings")
-    head = [model.get_submodule("norm"), model.get_submodule("output")]
-    if model.model_args.tie_word_embeddings:  # type: ignore[union-attr]
+    # a pipeline part may lack the embedding or the head (models/llama3/pipeline.py)
+    embeddings: nn.Module | None = model.tok_embeddings  # type: ignore[assignment]
+    head = [m for m in (model.norm, model.output) if m is not None]
+    if model.model_args.tie_word_embeddings and embeddings is not None:  # type: ignore[union-attr]
         fully_shard([embeddings, *head], mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=False)
     else:
-        fully_shard(embeddings, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
-        fully_shard(head, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=False)
+        if embeddings is not None:
+            fully_shard(embeddings, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+        if head:
+            fully_shard(head, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=False)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy)

@@ -15,36 +15,9 @@ import copy
 from torch import nn
 
 from .model import Transformer
+from .stage_split import module_fqns_per_stage
 
-
-def module_fqns_per_stage(
-    num_stages: int, n_layers: int, *, first_stage_less_layers: int = 1, last_stage_less_layers: int = 1
-) -> list[list[str]]:
-    """The module names of each stage (parallelism.pipeline_parallel_first/last_stage_less_layers)."""
-    if num_stages == 1:
-        return [["tok_embeddings", *(f"layers.{i}" for i in range(n_layers)), "norm", "output"]]
-    effective = n_layers + first_stage_less_layers + last_stage_less_layers
-    per_stage, extra = divmod(effective, num_stages)
-    if per_stage == 0 or max(first_stage_less_layers, last_stage_less_layers) > per_stage:
-        raise ValueError(
-            f"{num_stages} pipeline stages over {n_layers} layers + {first_stage_less_layers} (embedding) + "
-            f"{last_stage_less_layers} (norm, output) = {effective} effective layers is {per_stage} per stage: "
-            f"every stage needs a layer and the embedding / output weights may not outweigh one stage; lower "
-            f"parallelism.pipeline_parallel_degree or the *_stage_less_layers, or set module_fqns_per_model_part"
-        )
-    parts, layer = [], 0
-    for stage in range(num_stages):
-        budget = per_stage + (1 if stage < extra else 0)
-        names = ["tok_embeddings"] if stage == 0 else []
-        budget -= first_stage_less_layers if stage == 0 else 0
-        budget -= last_stage_less_layers if stage == num_stages - 1 else 0
-        take = min(max(budget, 0), n_layers - layer)
-        names += [f"layers.{i}" for i in range(layer, layer + take)]
-        layer += take
-        parts.append(names + (["norm", "output"] if stage == num_stages - 1 else []))
-    if layer != n_layers:
-        raise ValueError(f"the split placed {layer} of {n_layers} layers; set module_fqns_per_model_part")
-    return parts
+__all__ = ["is_part", "module_fqns_per_stage", "split_model"]
 
 
 def split_model(model: Transformer, fqns: list[str]) -> Transformer:

@@ -1,0 +1,77 @@
+"""Pipeline parallelism through the trainer: PP(2) with 1F1B and with Interleaved1F1B, and PP(2) x FSDP(2), train
+like one process on the same global batches; a checkpoint saved under PP(2) (each stage writes its own FQNs)
+resumes bitwise on PP(2) and reshards into FSDP(2); what is not built yet is refused in the pre-flight."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.trainer.test_train import _losses, _train_rank
+from tests.world import run_world
+from trainer.config import load_config
+from trainer.preflight import check_config
+
+REPO = Path(__file__).resolve().parents[2]
+JOB = [
+    "--job.config_file", str(REPO / "configs" / "debug_model.toml"),
+    "--training.steps", "4", "--training.seq_len", "64", "--lr_scheduler.warmup_steps", "1",
+    "--training.global_batch_size", "4", "--training.local_batch_size", "4",
+]  # fmt: skip
+PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
+    return _losses(run_world(_train_rank, 1, [*JOB, "--job.dump_folder", str(tmp_path_factory.mktemp("one"))])[0])
+
+
+@pytest.mark.parametrize(
+    "world, layout",
+    [
+        (2, [*PP2, "--parallelism.pipeline_parallel_schedule", "1F1B"]),
+        (2, [*PP2, "--parallelism.pipeline_parallel_schedule", "interleaved1f1b"]),  # 2 stages per rank
+        (2, [*PP2, "--parallelism.pipeline_parallel_schedule", "GPipe", "--parallelism.pipeline_parallel_microbatch_size", "2"]),
+        (4, ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "2"]),  # PP(2) x FSDP(2)
+    ],
+    ids=["pp2_1f1b", "pp2_interleaved", "pp2_gpipe_mb2", "pp2_fsdp2"],
+)  # fmt: skip
+def test_pipelined_training_follows_one_process(
+    tmp_path: Path, one_process: list[float], world: int, layout: list[str]
+) -> None:
+    losses = _losses(run_world(_train_rank, world, [*JOB, "--job.dump_folder", str(tmp_path), *layout])[0])
+    assert len(losses) == 4 and losses == pytest.approx(one_process, abs=2e-4), (one_process, losses)
+
+
+def test_a_pipelined_checkpoint_resumes_bitwise_and_reshards_into_fsdp(tmp_path: Path) -> None:
+    ckpt = ["--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.last_save_model_only", "false"]
+    straight = _losses(run_world(_train_rank, 2, [*JOB, *ckpt, *PP2, "--job.dump_folder", str(tmp_path / "pp")])[0])
+    for name, world, layout in (("pp_again", 2, PP2), ("fsdp", 2, ["--training.local_batch_size", "2"])):
+        shutil.copytree(tmp_path / "pp" / "checkpoint" / "step-2", tmp_path / name / "checkpoint" / "step-2")
+        resumed = _losses(
+            run_world(_train_rank, world, [*JOB, *ckpt, *layout, "--job.dump_folder", str(tmp_path / name)])[0]
+        )
+        if name == "pp_again":
+            assert resumed == straight[2:], (straight, resumed)
+        else:
+            assert resumed == pytest.approx(straight[2:], abs=2e-4), (straight, resumed)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"], "does not run split-backward"),
+        (["--parallelism.tensor_parallel_degree", "2"], "tensor_parallel_degree with parallelism.pipeline"),
+        (["--validation.enable"], "validation.enable with parallelism.pipeline_parallel_degree"),
+        (["--parallelism.pipeline_parallel_microbatch_size", "3"], "must be a multiple of"),
+        (["--model.flavor", "1B"], "ties its embedding and output"),
+    ],
+)
+def test_what_pipelines_cannot_do_yet_is_refused_in_the_preflight(overrides: list[str], message: str) -> None:
+    cfg = load_config(
+        [*JOB, "--training.global_batch_size", "-1", "--parallelism.pipeline_parallel_degree", "2", *overrides]
+    )
+    with pytest.raises((ValueError, NotImplementedError), match=message):
+        check_config(cfg, world_size=4)

@@ -1,0 +1,193 @@
+"""The trainer under pipeline parallelism: this rank's model parts, their stages and schedule, and one step.
+
+The whole Llama is built on meta, split into `pp x stages_per_rank` parts by torchtitan's rule (or
+`parallelism.module_fqns_per_model_part`), and this rank keeps its stages (looped placement: rank r owns
+r, r + pp, ...). Each part is parallelized like a whole model (FSDP or DDP over its data-parallel group)
+and initialized from the whole model's random stream, so the global weights are one process's. A step
+runs the schedule once per accumulation micro-batch, each split into
+`local_batch_size / pipeline_parallel_microbatch_size` pipeline microbatches; the loss exists on the last
+stage and is summed over the pp group for the log; the gradient norm is taken over every stage.
+
+Not yet: tensor parallelism inside stages, the split-backward (zero-bubble) schedules, validation, and
+gradient sync once per step (FSDP/DDP reduce per microbatch: the same sums, more collectives).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from models.llama3 import Transformer
+from models.llama3.pipeline import module_fqns_per_stage, split_model
+from parallelisms.dtensor import DeviceMesh, DTensor
+from parallelisms.pipeline_parallel import get_schedule, lower_schedule, stage_to_rank
+from parallelisms.pipeline_parallel.runtime import PipelineSchedule
+from parallelisms.pipeline_parallel.stage import BoundaryMeta, PipelineStage
+
+from .job_config import JobConfig
+from .loss import IGNORE_INDEX
+from .step import MicroBatches, StepResult
+
+STAGES_PER_RANK_MULTI = 2  # torchtitan's default for the looped schedules without layers_per_stage
+
+
+class PipelineParts(nn.Module):
+    """This rank's model parts seen as one model: parameters and state under their global FQNs (the parts
+    are not registered as submodules, which would prefix their names)."""
+
+    parts: list[Transformer]
+    whole: Transformer
+    pipeline: Pipeline  # set once the stages are built
+
+    def __init__(self, parts: list[Transformer], whole: Transformer) -> None:
+        super().__init__()
+        self.__dict__["parts"] = parts
+        self.__dict__["whole"] = whole  # on meta: the model args and the FLOPs count of the whole model
+        self.model_args = whole.model_args
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator:
+        for part in self.parts:
+            yield from part.named_parameters(prefix, recurse, remove_duplicate)
+
+    def state_dict(self, *, prefix: str = "", keep_vars: bool = False) -> dict:  # type: ignore[override]
+        merged: dict = {}
+        for part in self.parts:
+            merged.update(part.state_dict(prefix=prefix, keep_vars=keep_vars))
+        return merged
+
+    def forward(self, *args: object) -> None:
+        raise RuntimeError("a pipelined model runs through its schedule (trainer/pipeline.py), not forward()")
+
+
+def stages_per_rank(cfg: JobConfig) -> int:
+    p = cfg.parallelism
+    spec = get_schedule(p.pipeline_parallel_schedule)
+    if spec.single_stage:
+        return 1
+    if p.pipeline_parallel_layers_per_stage:
+        return max(1, math.ceil(_n_layers(cfg) / p.pipeline_parallel_layers_per_stage / p.pipeline_parallel_degree))
+    return STAGES_PER_RANK_MULTI
+
+
+def _n_layers(cfg: JobConfig) -> int:
+    from models.llama3 import llama3_configs
+
+    return llama3_configs[cfg.model.flavor].n_layers
+
+
+def stage_fqns(cfg: JobConfig, num_stages: int, n_layers: int) -> list[list[str]]:
+    p = cfg.parallelism
+    if p.module_fqns_per_model_part:
+        if len(p.module_fqns_per_model_part) != num_stages:
+            raise ValueError(
+                f"parallelism.module_fqns_per_model_part has {len(p.module_fqns_per_model_part)} parts for "
+                f"{num_stages} pipeline stages (pp {p.pipeline_parallel_degree} x stages per rank); give one per stage"
+            )
+        return p.module_fqns_per_model_part
+    return module_fqns_per_stage(
+        num_stages, n_layers, first_stage_less_layers=p.pipeline_parallel_first_stage_less_layers,
+        last_stage_less_layers=p.pipeline_parallel_last_stage_less_layers,
+    )  # fmt: skip
+
+
+@dataclass
+class Pipeline:
+    """This rank's side of the pipeline: parts (in stage order), their stages and the lowered schedule."""
+
+    model: PipelineParts
+    stages: list[PipelineStage]
+    schedule_name: str
+    num_microbatches: int
+    pp_group: dist.ProcessGroup
+
+    def runner(self, loss_fn: object) -> PipelineSchedule:
+        pp, rank = self.pp_group.size(), self.pp_group.rank()
+        spec = get_schedule(self.schedule_name)
+        per_rank = len(self.stages)
+        mapping = stage_to_rank(pp, per_rank, spec.placement)
+        lowered = lower_schedule(spec.generate(pp, per_rank, self.num_microbatches), mapping, self.num_microbatches)
+        return PipelineSchedule(self.stages, [a for a in lowered[rank] if a is not None], loss_fn)  # type: ignore[arg-type]
+
+
+def build_stages(
+    cfg: JobConfig, whole: Transformer, parts: list[Transformer], stage_indices: list[int], pp_mesh: DeviceMesh,
+    device: torch.device,
+) -> list[PipelineStage]:  # fmt: skip
+    """The stages of this rank's parts; boundary activations are (microbatch, seq_len, dim) in the
+    parameters' compute dtype (float32 on the CPU)."""
+    pp = pp_mesh.size()
+    num_stages = pp * len(parts)
+    mapping = stage_to_rank(pp, len(parts), get_schedule(cfg.parallelism.pipeline_parallel_schedule).placement)
+    bf16 = device.type == "cuda" and cfg.training.mixed_precision_param == "bfloat16"
+    shape = (cfg.parallelism.pipeline_parallel_microbatch_size, cfg.training.seq_len, whole.model_args.dim)
+    meta = BoundaryMeta(shape, torch.bfloat16 if bf16 else torch.float32)  # (mb, T, D)
+    return [
+        PipelineStage(part, s, num_stages, pp_mesh.get_group(), mapping, device,
+                      input_meta=None if s == 0 else meta, output_meta=None if s == num_stages - 1 else meta)
+        for part, s in zip(parts, stage_indices)
+    ]  # fmt: skip
+
+
+def split_for_rank(cfg: JobConfig, whole: Transformer, pp_rank: int, pp: int) -> tuple[list[Transformer], list[int]]:
+    """This rank's parts (of the meta `whole`) and their stage indices."""
+    per_rank = stages_per_rank(cfg)
+    num_stages = pp * per_rank
+    fqns = stage_fqns(cfg, num_stages, whole.model_args.n_layers)
+    placement = get_schedule(cfg.parallelism.pipeline_parallel_schedule).placement
+    mine = [s for s, r in stage_to_rank(pp, per_rank, placement).items() if r == pp_rank]
+    return [split_model(whole, fqns[s]) for s in mine], mine
+
+
+def pipeline_train_step(
+    pipeline: Pipeline,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: MicroBatches,
+    *,
+    targets: torch.Tensor,
+    dp_size: int,
+    max_norm: float,
+) -> StepResult:
+    """One optimizer step: the schedule over each accumulation micro-batch's pipeline microbatches, the loss
+    over the step's global target count (as trainer/step.py), then the gradient norm over every stage."""
+    optimizer.zero_grad(set_to_none=True)
+    scale = dp_size / targets
+
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        token_sum = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum",
+                                    ignore_index=IGNORE_INDEX)  # fmt: skip
+        return token_sum * scale
+
+    runner = pipeline.runner(loss_fn)
+    first, last = pipeline.stages[0].is_first, any(s.is_last for s in pipeline.stages)
+    device = pipeline.stages[0].device
+    total = torch.zeros((), device=device)
+    n = pipeline.num_microbatches
+    for inputs, labels in micro_batches:  # (B, T) each, B = n pipeline microbatches
+        result = runner.step(list(inputs.chunk(n)) if first else None, list(labels.chunk(n)) if last else None)
+        for loss in result.losses:
+            total = total + loss
+    dist.all_reduce(total, group=pipeline.pp_group)  # the last stage's loss, on every stage (for the log)
+    grad_norm = _clip_over_stages(pipeline, max_norm)
+    optimizer.step()
+    return StepResult(total, grad_norm, skipped=False)
+
+
+def _clip_over_stages(pipeline: Pipeline, max_norm: float) -> torch.Tensor:
+    """The gradient 2-norm over every stage's parameters (norms squared add up over the pp group), clipped."""
+    grads = [p.grad for p in pipeline.model.parameters() if p.grad is not None]
+    local = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else torch.zeros(())
+    if isinstance(local, DTensor):
+        local = local.full_tensor()
+    squared = local.pow(2)
+    dist.all_reduce(squared, group=pipeline.pp_group)
+    norm = squared.sqrt()
+    if max_norm > 0 and grads:
+        torch.nn.utils.clip_grads_with_norm_([p for p in pipeline.model.parameters() if p.grad is not None],
+                                             max_norm, norm, foreach=True)  # fmt: skip
+    return norm
