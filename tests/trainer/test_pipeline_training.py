@@ -75,3 +75,16 @@ def test_what_pipelines_cannot_do_yet_is_refused_in_the_preflight(overrides: lis
     )
     with pytest.raises((ValueError, NotImplementedError), match=message):
         check_config(cfg, world_size=4)
+
+
+@pytest.mark.e2e
+def test_run_train_sh_trains_a_two_stage_pipeline(tmp_path: Path) -> None:
+    import os
+    import subprocess
+
+    args = [*PP2, "--training.steps", "2", "--training.seq_len", "64", "--job.dump_folder", str(tmp_path)]
+    run = subprocess.run(["./run_train.sh", *args], cwd=REPO, env={**os.environ, "NGPU": "2"}, capture_output=True,
+                         text=True, timeout=180)  # fmt: skip
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-3000:]
+    assert "mesh_dim_names=('pp',)" in out and "step 2 |" in out, out[-3000:]
