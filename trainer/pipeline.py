@@ -8,8 +8,9 @@ runs the schedule once per accumulation micro-batch, each split into
 `local_batch_size / pipeline_parallel_microbatch_size` pipeline microbatches; the loss exists on the last
 stage and is summed over the pp group for the log; the gradient norm is taken over every stage.
 
-Not yet: tensor parallelism inside stages, the split-backward (zero-bubble) schedules, validation, and
-gradient sync once per step (FSDP/DDP reduce per microbatch: the same sums, more collectives).
+FSDP and DDP inside a stage reduce its gradients once per step, in the stage's last backward (torch's
+REDUCE_GRAD). Not yet: tensor parallelism inside stages, the split-backward (zero-bubble) schedules, and
+validation.
 """
 
 from __future__ import annotations
@@ -168,8 +169,9 @@ def pipeline_train_step(
     device = pipeline.stages[0].device
     total = torch.zeros((), device=device)
     n = pipeline.num_microbatches
-    for inputs, labels in micro_batches:  # (B, T) each, B = n pipeline microbatches
-        result = runner.step(list(inputs.chunk(n)) if first else None, list(labels.chunk(n)) if last else None)
+    for i, (inputs, labels) in enumerate(micro_batches):  # (B, T) each, B = n pipeline microbatches
+        chunks = list(inputs.chunk(n)) if first else None
+        result = runner.step(chunks, list(labels.chunk(n)) if last else None, sync_grads=i == len(micro_batches) - 1)
         for loss in result.losses:
             total = total + loss
     dist.all_reduce(total, group=pipeline.pp_group)  # the last stage's loss, on every stage (for the log)

@@ -66,14 +66,24 @@ class PipelineSchedule:
         if missing:
             raise ValueError(f"the schedule runs stages {missing}, which this rank does not hold")
 
-    def step(self, inputs: Sequence[torch.Tensor] | None, targets: Sequence[torch.Tensor] | None) -> StepResult:
+    def step(
+        self, inputs: Sequence[torch.Tensor] | None, targets: Sequence[torch.Tensor] | None, *, sync_grads: bool = True
+    ) -> StepResult:
         """One forward and backward of every microbatch. `inputs` (the first stage's rank) and `targets` (the
-        last stage's rank) hold one tensor per microbatch; the gradients accumulate in the stages' parameters."""
+        last stage's rank) hold one tensor per microbatch; the gradients accumulate in the stages' parameters.
+
+        A stage whose module reduces gradients across data-parallel ranks (FSDP, DDP:
+        `set_requires_gradient_sync`) reduces them once, in its last backward of the step, with `sync_grads`
+        (torch's REDUCE_GRAD), and not at all without (gradient accumulation over several steps' calls)."""
+        last_backward = {}
+        for i, a in enumerate(self.actions):
+            if a.kind is ActionKind.B:
+                last_backward[a.stage] = i
         live: dict[tuple[int, int], _Activations] = {}
         recvs: dict[tuple[int, ActionKind, int], PendingRecv] = {}
         sends: list[PendingSend] = []
         result, result_losses = StepResult(), {}
-        for action in self.actions:
+        for index, action in enumerate(self.actions):
             stage = self.stages[action.stage]
             s, m = action.stage, action.microbatch
             assert m is not None
@@ -93,6 +103,9 @@ class PipelineSchedule:
                 assert live[s, m].output is not None
                 sends.append(post_send(live[s, m].output.detach(), stage.peer(s + 1)))  # type: ignore[union-attr]
             elif kind is ActionKind.B:
+                sync = getattr(stage.module, "set_requires_gradient_sync", None)
+                if sync is not None:
+                    sync(sync_grads and index == last_backward[s])
                 loss = self._backward(stage, m, live, recvs)
                 if loss is not None:
                     result_losses[m] = loss
