@@ -9,14 +9,14 @@ runs the schedule once per accumulation micro-batch, each split into
 stage and is summed over the pp group for the log; the gradient norm is taken over every stage.
 
 FSDP and DDP inside a stage reduce its gradients once per step, in the stage's last backward (torch's
-REDUCE_GRAD). Not yet: tensor parallelism inside stages, the split-backward (zero-bubble) schedules, and
-validation.
+REDUCE_GRAD); validation runs the schedule's forwards only. Not yet: tensor parallelism inside stages and
+the split-backward (zero-bubble) schedules.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -107,12 +107,12 @@ class Pipeline:
     num_microbatches: int
     pp_group: dist.ProcessGroup
 
-    def runner(self, loss_fn: object) -> PipelineSchedule:
+    def runner(self, loss_fn: object, num_microbatches: int | None = None) -> PipelineSchedule:
         pp, rank = self.pp_group.size(), self.pp_group.rank()
         spec = get_schedule(self.schedule_name)
-        per_rank = len(self.stages)
+        per_rank, m = len(self.stages), num_microbatches or self.num_microbatches
         mapping = stage_to_rank(pp, per_rank, spec.placement)
-        lowered = lower_schedule(spec.generate(pp, per_rank, self.num_microbatches), mapping, self.num_microbatches)
+        lowered = lower_schedule(spec.generate(pp, per_rank, m), mapping, m)
         return PipelineSchedule(self.stages, [a for a in lowered[rank] if a is not None], loss_fn)  # type: ignore[arg-type]
 
 
@@ -193,3 +193,25 @@ def _clip_over_stages(pipeline: Pipeline, max_norm: float) -> torch.Tensor:
         torch.nn.utils.clip_grads_with_norm_([p for p in pipeline.model.parameters() if p.grad is not None],
                                              max_norm, norm, foreach=True)  # fmt: skip
     return norm
+
+
+def pipeline_token_loss(
+    pipeline: Pipeline, microbatch_size: int
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Validation's forward and loss under PP: the forward-only schedule over a batch's microbatches, the
+    summed token loss of the last stage shared with every stage of the pp group."""
+
+    def summed(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum",
+                               ignore_index=IGNORE_INDEX)  # fmt: skip
+
+    def token_loss(inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        n = inputs.shape[0] // microbatch_size  # (B, T) -> n microbatches of (mb, T)
+        runner = pipeline.runner(summed, num_microbatches=n)
+        first, last = pipeline.stages[0].is_first, any(s.is_last for s in pipeline.stages)
+        losses = runner.forward_only(list(inputs.chunk(n)) if first else None, list(labels.chunk(n)) if last else None)
+        total = sum(losses, torch.zeros((), device=inputs.device))
+        dist.all_reduce(total, group=pipeline.pp_group)
+        return total
+
+    return token_loss

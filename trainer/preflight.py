@@ -215,17 +215,25 @@ def _check_pipeline(cfg: JobConfig) -> None:
     not_yet = {
         "parallelism.tensor_parallel_degree": p.tensor_parallel_degree > 1,
         "parallelism.context_parallel_degree": p.context_parallel_degree > 1,
-        "validation.enable": cfg.validation.enable,
     }
     for key, set_ in not_yet.items():
         if set_:
             raise NotImplementedError(f"{key} with parallelism.pipeline_parallel_degree({pp}) > 1 is not supported "
                                       f"yet; turn one of them off")  # fmt: skip
     mb = p.pipeline_parallel_microbatch_size
-    if mb < 1 or training.local_batch_size % mb:
-        raise ValueError(
-            f"training.local_batch_size({training.local_batch_size}) must be a multiple of "
-            f"parallelism.pipeline_parallel_microbatch_size({mb}): each step splits it into pipeline microbatches"
+    for key, batch in (
+        ("training.local_batch_size", training.local_batch_size),
+        ("validation.local_batch_size", cfg.validation.local_batch_size or training.local_batch_size),
+    ):
+        if mb < 1 or batch % mb:
+            raise ValueError(
+                f"{key}({batch}) must be a multiple of parallelism.pipeline_parallel_microbatch_size({mb}): the "
+                f"pipeline splits each batch into microbatches"
+            )  # fmt: skip
+    if cfg.validation.enable and cfg.validation.seq_len not in (0, training.seq_len):
+        raise NotImplementedError(
+            f"validation.seq_len({cfg.validation.seq_len}) under pipeline parallelism must be training.seq_len "
+            f"(or 0): the stages' boundary activations have one shape"
         )
     if cfg.model.flavor in llama3_configs:
         args = llama3_configs[cfg.model.flavor]

@@ -43,7 +43,14 @@ from .loss import build_cross_entropy
 from .lr_schedule import build_lr_scheduler
 from .metrics import MetricsLogger, flops_per_token
 from .optim import build_optimizer
-from .pipeline import Pipeline, PipelineParts, build_stages, pipeline_train_step, split_for_rank
+from .pipeline import (
+    Pipeline,
+    PipelineParts,
+    build_stages,
+    pipeline_token_loss,
+    pipeline_train_step,
+    split_for_rank,
+)
 from .preemption import PreemptionWatch
 from .preflight import check_config
 from .profiling import Profiler
@@ -254,7 +261,7 @@ def build_components(cfg: JobConfig, runtime: Runtime) -> Components:
     )  # fmt: skip
     train_state = TrainState()
     checkpointer = build_checkpointer(cfg, model, optimizer, scheduler, loader, train_state)
-    validator = build_validator(cfg, runtime, tokenizer, writer=metrics.writer)
+    validator = build_validator(cfg, runtime, tokenizer, writer=metrics.writer, model=model)
     profiler = Profiler(cfg.profiling, dump_folder=Path(cfg.job.dump_folder), rank=dist.get_rank(),
                         device=runtime.device, global_step=train_state.step)  # fmt: skip
     return Components(model, optimizer, scheduler, loader, train_state, metrics, checkpointer, validator, profiler)
@@ -270,12 +277,16 @@ def tensorboard_folder(cfg: JobConfig, rank: int) -> Path | None:
 
 
 def build_validator(
-    cfg: JobConfig, runtime: Runtime, tokenizer: Tokenizer, *, writer: ScalarWriter | None
+    cfg: JobConfig, runtime: Runtime, tokenizer: Tokenizer, *, writer: ScalarWriter | None, model: nn.Module
 ) -> Validator | None:
-    """The held-out loss every validation.freq steps; its batch size and seq_len default to training's."""
+    """The held-out loss every validation.freq steps; its batch size and seq_len default to training's.
+    Under PP the batches run the schedule's forwards (`pipeline_token_loss`)."""
     val, training = cfg.validation, cfg.training
     if not val.enable:
         return None
+    token_loss = None
+    if isinstance(model, PipelineParts):
+        token_loss = pipeline_token_loss(model.pipeline, cfg.parallelism.pipeline_parallel_microbatch_size)
     source = build_held_out_windows(
         val.dataset, tokenizer, dataset_path=val.dataset_path, text_field=training.dataset_text_field,
         seq_len=val.seq_len or training.seq_len, seed=cast(int, training.seed),
@@ -284,7 +295,7 @@ def build_validator(
         source, freq=val.freq, steps=val.steps, local_batch_size=val.local_batch_size or training.local_batch_size,
         last_step=training.steps, dp_rank=runtime.dp_rank, dp_size=runtime.dp_size, dp_mesh=runtime.dp_cp_mesh,
         use_loss_parallel=runtime.loss_parallel, device=runtime.device, writer=writer,
-        autocast=runtime.precision.autocast,
+        autocast=runtime.precision.autocast, token_loss=token_loss,
     )  # fmt: skip
 
 

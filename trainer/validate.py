@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -105,6 +105,9 @@ def validation_batches(
 
 
 # ---------------------------------------------------------------------------------------- the loss
+TokenLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (inputs, labels) -> summed token loss
+
+
 @dataclass(frozen=True)
 class ValidationResult:
     loss: float  # global mean token loss
@@ -121,11 +124,13 @@ def evaluate(
     dp_mesh: DeviceMesh | None,
     use_loss_parallel: bool,
     autocast: torch.dtype | None = None,
+    token_loss: TokenLoss | None = None,
 ) -> ValidationResult:
     """The global mean token loss of `model` over `batches` (this rank's part of each), in eval mode
     (restored after). The token-loss sum and target count are summed over `dp_mesh` in one all-reduce;
     under loss parallelism the loss is computed on vocabulary-sharded logits. `autocast`: the forward
-    in that dtype, as training's (mixed precision without FSDP)."""
+    in that dtype, as training's (mixed precision without FSDP). `token_loss(inputs, labels)` replaces the
+    forward and loss (a pipeline's forward-only schedule)."""
     was_training = model.training
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # (token-loss sum, target count)
@@ -133,7 +138,10 @@ def evaluate(
     try:
         for inputs, labels in batches:
             inputs, labels = inputs.to(device), labels.to(device)
-            token_sum = token_loss_sum(model, inputs, labels, autocast=autocast, vocab_parallel=use_loss_parallel)
+            if token_loss is not None:
+                token_sum = token_loss(inputs, labels)
+            else:
+                token_sum = token_loss_sum(model, inputs, labels, autocast=autocast, vocab_parallel=use_loss_parallel)
             if isinstance(token_sum, DTensor):
                 token_sum = token_sum.full_tensor()
             totals += torch.stack([token_sum.double(), (labels != IGNORE_INDEX).sum().double()])
@@ -168,7 +176,9 @@ class Validator:
         device: torch.device,
         writer: ScalarWriter | None = None,
         autocast: torch.dtype | None = None,
+        token_loss: TokenLoss | None = None,
     ) -> None:
+        self.token_loss = token_loss
         self.source, self.freq, self.steps, self.last_step = source, freq, steps, last_step
         self.local_batch_size, self.dp_rank, self.dp_size, self.dp_mesh = local_batch_size, dp_rank, dp_size, dp_mesh
         self.use_loss_parallel, self.device, self.writer, self.autocast = use_loss_parallel, device, writer, autocast
@@ -188,7 +198,7 @@ class Validator:
         )  # fmt: skip
         result = evaluate(
             model, batches, device=self.device, dp_mesh=self.dp_mesh, use_loss_parallel=self.use_loss_parallel,
-            autocast=self.autocast,
+            autocast=self.autocast, token_loss=self.token_loss,
         )  # fmt: skip
         logger.info(
             "validate step %d | loss %.4f | batches %d | tokens %s | %.2fs",

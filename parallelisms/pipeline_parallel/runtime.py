@@ -123,6 +123,39 @@ class PipelineSchedule:
         result.losses = [result_losses[m] for m in sorted(result_losses)]
         return result
 
+    @torch.no_grad()
+    def forward_only(self, inputs: Sequence[torch.Tensor] | None, targets: Sequence[torch.Tensor] | None) -> list:
+        """Evaluation: the schedule's forwards and their transfers only (the order stays deadlock-free: only
+        waits are removed), without gradients; each microbatch's activations are dropped once passed on.
+        Returns the last stage's per-microbatch losses (empty elsewhere)."""
+        live: dict[tuple[int, int], _Activations] = {}
+        recvs: dict[tuple[int, ActionKind, int], PendingRecv] = {}
+        sends: list[PendingSend] = []
+        losses: dict[int, torch.Tensor] = {}
+        for action in self.actions:
+            stage, kind = self.stages[action.stage], action.kind
+            s, m = action.stage, action.microbatch
+            assert m is not None or kind not in (ActionKind.F, ActionKind.SEND_F, ActionKind.RECV_F)
+            if kind is ActionKind.RECV_F:
+                assert stage.input_meta is not None and m is not None
+                recvs[s, kind, m] = post_recv(stage.input_meta, stage.peer(s - 1), stage.device)
+            elif kind is ActionKind.F:
+                assert m is not None
+                acts = live.setdefault((s, m), _Activations())
+                self._forward(stage, m, acts, live, recvs, inputs, targets)
+                if not stage.is_first and stage.is_local(s - 1):
+                    live.pop((s - 1, m))  # handed over
+                if stage.is_last:
+                    assert acts.loss is not None
+                    losses[m] = acts.loss
+                    live.pop((s, m))
+            elif kind is ActionKind.SEND_F:
+                assert m is not None
+                sends.append(post_send(live.pop((s, m)).output, stage.peer(s + 1)))  # type: ignore[arg-type]
+        for send in sends:
+            send.wait()
+        return [losses[m] for m in sorted(losses)]
+
     def _forward(
         self, stage: PipelineStage, m: int, acts: _Activations, live: dict, recvs: dict,
         inputs: Sequence[torch.Tensor] | None, targets: Sequence[torch.Tensor] | None,

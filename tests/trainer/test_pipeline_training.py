@@ -21,6 +21,7 @@ JOB = [
     "--training.global_batch_size", "4", "--training.local_batch_size", "4",
 ]  # fmt: skip
 PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
+MB2 = ["--parallelism.pipeline_parallel_microbatch_size", "2"]
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +34,7 @@ def one_process(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
     [
         (2, [*PP2, "--parallelism.pipeline_parallel_schedule", "1F1B"]),
         (2, [*PP2, "--parallelism.pipeline_parallel_schedule", "interleaved1f1b"]),  # 2 stages per rank
-        (2, [*PP2, "--parallelism.pipeline_parallel_schedule", "GPipe", "--parallelism.pipeline_parallel_microbatch_size", "2"]),
+        (2, [*PP2, "--parallelism.pipeline_parallel_schedule", "GPipe", *MB2]),
         (4, ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "2"]),  # PP(2) x FSDP(2)
     ],
     ids=["pp2_1f1b", "pp2_interleaved", "pp2_gpipe_mb2", "pp2_fsdp2"],
@@ -64,7 +65,7 @@ def test_a_pipelined_checkpoint_resumes_bitwise_and_reshards_into_fsdp(tmp_path:
     [
         (["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"], "does not run split-backward"),
         (["--parallelism.tensor_parallel_degree", "2"], "tensor_parallel_degree with parallelism.pipeline"),
-        (["--validation.enable"], "validation.enable with parallelism.pipeline_parallel_degree"),
+        (["--validation.enable", "--validation.seq_len", "32"], "validation.seq_len.32. under pipeline"),
         (["--parallelism.pipeline_parallel_microbatch_size", "3"], "must be a multiple of"),
         (["--model.flavor", "1B"], "ties its embedding and output"),
     ],
@@ -75,6 +76,21 @@ def test_what_pipelines_cannot_do_yet_is_refused_in_the_preflight(overrides: lis
     )
     with pytest.raises((ValueError, NotImplementedError), match=message):
         check_config(cfg, world_size=4)
+
+
+def _validate_rank(argv: list[str]) -> list[str]:
+    return _train_rank(argv, logger_name="trainer.validate")
+
+
+def test_validation_under_pp_gives_one_process_loss(tmp_path: Path) -> None:
+    """The forward-only schedule: the held-out loss of PP(2) equals one process's, training unaffected."""
+    val = ["--validation.enable", "--validation.freq", "2", "--validation.steps", "2"]
+    one = run_world(_validate_rank, 1, [*JOB, *val, "--job.dump_folder", str(tmp_path / "one")])[0]
+    pp = run_world(_validate_rank, 2, [*JOB, *val, *PP2, *MB2, "--job.dump_folder", str(tmp_path / "pp")])[0]
+    losses = [
+        [float(line.split("| loss ")[1].split()[0]) for line in lines if "validate step" in line] for lines in (one, pp)
+    ]
+    assert len(losses[0]) == 2 and losses[1] == pytest.approx(losses[0], abs=2e-4), losses
 
 
 @pytest.mark.e2e
