@@ -30,6 +30,7 @@ from parallelisms.dtensor import DeviceMesh, DTensor
 from parallelisms.pipeline_parallel import get_schedule, lower_schedule, stage_to_rank
 from parallelisms.pipeline_parallel.runtime import PipelineSchedule
 from parallelisms.pipeline_parallel.stage import BoundaryMeta, PipelineStage
+from parallelisms.tensor_parallel import loss_parallel
 
 from .job_config import JobConfig
 from .loss import IGNORE_INDEX
@@ -107,13 +108,16 @@ class Pipeline:
     num_microbatches: int
     pp_group: dist.ProcessGroup
 
-    def runner(self, loss_fn: object, num_microbatches: int | None = None) -> PipelineSchedule:
+    def runner(
+        self, loss_fn: object, num_microbatches: int | None = None, loss_context: object = None
+    ) -> PipelineSchedule:
         pp, rank = self.pp_group.size(), self.pp_group.rank()
         spec = get_schedule(self.schedule_name)
         per_rank, m = len(self.stages), num_microbatches or self.num_microbatches
         mapping = stage_to_rank(pp, per_rank, spec.placement)
         lowered = lower_schedule(spec.generate(pp, per_rank, m), mapping, m)
-        return PipelineSchedule(self.stages, [a for a in lowered[rank] if a is not None], loss_fn)  # type: ignore[arg-type]
+        actions = [a for a in lowered[rank] if a is not None]
+        return PipelineSchedule(self.stages, actions, loss_fn, loss_context=loss_context)  # type: ignore[arg-type]
 
 
 def build_stages(
@@ -126,8 +130,9 @@ def build_stages(
     num_stages = pp * len(parts)
     mapping = stage_to_rank(pp, len(parts), get_schedule(cfg.parallelism.pipeline_parallel_schedule).placement)
     bf16 = device.type == "cuda" and cfg.training.mixed_precision_param == "bfloat16"
-    shape = (cfg.parallelism.pipeline_parallel_microbatch_size, cfg.training.seq_len, whole.model_args.dim)
-    meta = BoundaryMeta(shape, torch.bfloat16 if bf16 else torch.float32)  # (mb, T, D)
+    tp = cfg.parallelism.tensor_parallel_degree  # sequence parallelism: each TP rank sends its T/tp rows
+    shape = (cfg.parallelism.pipeline_parallel_microbatch_size, cfg.training.seq_len // tp, whole.model_args.dim)
+    meta = BoundaryMeta(shape, torch.bfloat16 if bf16 else torch.float32)  # (mb, T/tp, D)
     return [
         PipelineStage(part, s, num_stages, pp_mesh.get_group(), mapping, device,
                       input_meta=None if s == 0 else meta, output_meta=None if s == num_stages - 1 else meta)
@@ -153,6 +158,7 @@ def pipeline_train_step(
     targets: torch.Tensor,
     dp_size: int,
     max_norm: float,
+    use_loss_parallel: bool = False,
 ) -> StepResult:
     """One optimizer step: the schedule over each accumulation micro-batch's pipeline microbatches, the loss
     over the step's global target count (as trainer/step.py), then the gradient norm over every stage."""
@@ -164,7 +170,7 @@ def pipeline_train_step(
                                     ignore_index=IGNORE_INDEX)  # fmt: skip
         return token_sum * scale
 
-    runner = pipeline.runner(loss_fn)
+    runner = pipeline.runner(loss_fn, loss_context=loss_parallel if use_loss_parallel else None)
     first, last = pipeline.stages[0].is_first, any(s.is_last for s in pipeline.stages)
     device = pipeline.stages[0].device
     total = torch.zeros((), device=device)
@@ -172,8 +178,8 @@ def pipeline_train_step(
     for i, (inputs, labels) in enumerate(micro_batches):  # (B, T) each, B = n pipeline microbatches
         chunks = list(inputs.chunk(n)) if first else None
         result = runner.step(chunks, list(labels.chunk(n)) if last else None, sync_grads=i == len(micro_batches) - 1)
-        for loss in result.losses:
-            total = total + loss
+        for loss in result.losses:  # under loss parallelism a DTensor, Replicate over tp
+            total = total + (loss.full_tensor() if isinstance(loss, DTensor) else loss)
     dist.all_reduce(total, group=pipeline.pp_group)  # the last stage's loss, on every stage (for the log)
     grad_norm = _clip_over_stages(pipeline, max_norm)
     optimizer.step()

@@ -213,7 +213,6 @@ def _check_pipeline(cfg: JobConfig) -> None:
             f"run split-backward (zero-bubble) or CSV schedules yet; use GPipe, 1F1B, Interleaved1F1B or LoopedBFS"
         )
     not_yet = {
-        "parallelism.tensor_parallel_degree": p.tensor_parallel_degree > 1,
         "parallelism.context_parallel_degree": p.context_parallel_degree > 1,
     }
     for key, set_ in not_yet.items():

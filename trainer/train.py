@@ -370,7 +370,8 @@ def train_loop(cfg: JobConfig, runtime: Runtime, c: Components) -> list[float]:
             targets = global_target_count([y for _, y in micro], runtime.dp_cp_mesh)
             if isinstance(c.model, PipelineParts):
                 result = pipeline_train_step(c.model.pipeline, c.optimizer, micro, targets=targets,
-                                             dp_size=runtime.dp_size, max_norm=training.max_norm)  # fmt: skip
+                                             dp_size=runtime.dp_size, max_norm=training.max_norm,
+                                             use_loss_parallel=runtime.loss_parallel)  # fmt: skip
             else:
                 result = train_step(
                     c.model, c.optimizer, micro, targets=targets, dp_size=runtime.dp_size, max_norm=training.max_norm,

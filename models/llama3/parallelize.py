@@ -7,6 +7,8 @@ then the root; or, for pure data parallelism, `replicate` (DDP) of the whole mod
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -71,11 +73,7 @@ def _check_supported(parallel_dims: ParallelDims) -> None:
             f"cp_degree({parallel_dims.cp}) > 1 is not supported by parallelize_llama yet; set "
             f"parallelism.context_parallel_degree=1"
         )
-    if parallel_dims.pp > 1 and parallel_dims.tp > 1:
-        raise NotImplementedError(
-            f"pipeline_parallel_degree({parallel_dims.pp}) with tensor_parallel_degree({parallel_dims.tp}) is not "
-            f"supported yet (the sequence-sharded activations between stages are DTensors); set one of them to 1"
-        )
+
 
 
 def compile_supported(tp_degree: int) -> bool:
@@ -109,19 +107,18 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, enab
     """
     if enable_async_tp:
         raise NotImplementedError("async TP (overlapping matmuls with collectives) is not supported; set it False")
-    parallelize_module(
-        model,
-        tp_mesh,
-        {
-            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-            "norm": SequenceParallel(),
-            "output": ColwiseParallel(
-                input_layouts=Shard(1),
-                output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                use_local_output=not loss_parallel,
-            ),
-        },
-    )
+    top_plan = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(
+            input_layouts=Shard(1),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        ),
+    }
+    # a pipeline part lacks some of them; between its blocks and stages the hidden states are plain local
+    # (B, T/tp, D) sequence shards either way
+    parallelize_module(model, tp_mesh, {k: v for k, v in top_plan.items() if getattr(model, k) is not None})
     layer_plan = {
         "attention_norm": SequenceParallel(),
         # (x, freqs_cis): freqs_cis is a plain replicated tensor and passes through untouched
@@ -166,8 +163,8 @@ def apply_fsdp(
         last = i == len(blocks) - 1
         fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward and not last)
     # a pipeline part may lack the embedding or the head (models/llama3/pipeline.py)
-    embeddings: nn.Module | None = model.tok_embeddings  # type: ignore[assignment]
-    head = [m for m in (model.norm, model.output) if m is not None]
+    embeddings = cast(nn.Module | None, model.tok_embeddings)
+    head = [cast(nn.Module, m) for m in (model.norm, model.output) if m is not None]
     if model.model_args.tie_word_embeddings and embeddings is not None:  # type: ignore[union-attr]
         fully_shard([embeddings, *head], mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=False)
     else:

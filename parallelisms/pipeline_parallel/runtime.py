@@ -19,8 +19,11 @@ that run.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -53,7 +56,16 @@ class StepResult:
 class PipelineSchedule:
     """Runs `actions` (this rank's lowered list) over `stages` (this rank's stages) once per `step`."""
 
-    def __init__(self, stages: Sequence[PipelineStage], actions: Sequence[Action], loss_fn: LossFn) -> None:
+    def __init__(
+        self,
+        stages: Sequence[PipelineStage],
+        actions: Sequence[Action],
+        loss_fn: LossFn,
+        *,
+        loss_context: Callable[[], AbstractContextManager[Any]] | None = None,
+    ) -> None:
+        """`loss_context`: entered around the last stage's loss and its backward (TP's loss_parallel)."""
+        self.loss_context = loss_context or contextlib.nullcontext
         unsupported = sorted({a.kind.value for a in actions if a.kind not in _RUNNABLE})
         if unsupported:
             raise NotImplementedError(
@@ -172,7 +184,8 @@ class PipelineSchedule:
         out = stage.module(x)
         if stage.is_last:
             assert targets is not None, "the last stage's rank needs the microbatch targets"
-            acts.loss = self.loss_fn(out, targets[m])
+            with self.loss_context():
+                acts.loss = self.loss_fn(out, targets[m])
         else:
             acts.output = out
 
@@ -183,7 +196,8 @@ class PipelineSchedule:
         loss = None
         if stage.is_last:
             assert acts.loss is not None
-            acts.loss.backward()
+            with self.loss_context():
+                acts.loss.backward()
             loss = acts.loss.detach()
         else:
             if stage.is_local(s + 1):

@@ -163,11 +163,11 @@ def test_selective_ac_recomputes_pointwise_but_not_matmuls_or_attention():
     assert selective["silu"] == full["silu"] == ARGS.n_layers and "silu" not in none  # recomputed
 
 
-@pytest.mark.parametrize("cp, pp, key", [(2, 1, "context_parallel_degree"), (1, 2, "pipeline_parallel_degree")])
-def test_parallelize_rejects_cp_and_pp_naming_the_key(cp: int, pp: int, key: str):
-    """FSDP x TP and HSDP are supported (tests/fsdp/test_composition.py); CP and PP keep a clear error."""
-    dims = ParallelDims(dp_replicate=1, dp_shard=2, cp=cp, tp=1, pp=pp, world_size=4)
-    with pytest.raises(NotImplementedError, match=f"parallelism.{key}=1"):
+def test_parallelize_rejects_cp_naming_the_key():
+    """FSDP x TP, HSDP and PP parts are supported (tests/fsdp/test_composition.py, tests/trainer/
+    test_pipeline_training.py); CP keeps a clear error."""
+    dims = ParallelDims(dp_replicate=1, dp_shard=2, cp=2, tp=1, pp=1, world_size=4)
+    with pytest.raises(NotImplementedError, match="parallelism.context_parallel_degree=1"):
         parallelize_llama(_model(), dims, None, loss_parallel=False)  # type: ignore[arg-type]
 
 

@@ -1,6 +1,7 @@
-"""Pipeline parallelism through the trainer: PP(2) with 1F1B and with Interleaved1F1B, and PP(2) x FSDP(2), train
-like one process on the same global batches; a checkpoint saved under PP(2) (each stage writes its own FQNs)
-resumes bitwise on PP(2) and reshards into FSDP(2); what is not built yet is refused in the pre-flight."""
+"""Pipeline parallelism through the trainer: PP(2) with 1F1B, Interleaved1F1B and GPipe, PP(2) x FSDP(2) and
+PP(2) x TP(2) train like one process on the same global batches; a checkpoint saved under PP(2) (each stage
+writes its own FQNs) resumes bitwise on PP(2) and reshards into FSDP(2); what is not built yet is refused in
+the pre-flight."""
 
 from __future__ import annotations
 
@@ -36,8 +37,9 @@ def one_process(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
         (2, [*PP2, "--parallelism.pipeline_parallel_schedule", "interleaved1f1b"]),  # 2 stages per rank
         (2, [*PP2, "--parallelism.pipeline_parallel_schedule", "GPipe", *MB2]),
         (4, ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "2"]),  # PP(2) x FSDP(2)
+        (4, [*PP2, "--parallelism.tensor_parallel_degree", "2"]),  # PP(2) x TP(2), loss parallel on the last stage
     ],
-    ids=["pp2_1f1b", "pp2_interleaved", "pp2_gpipe_mb2", "pp2_fsdp2"],
+    ids=["pp2_1f1b", "pp2_interleaved", "pp2_gpipe_mb2", "pp2_fsdp2", "pp2_tp2"],
 )  # fmt: skip
 def test_pipelined_training_follows_one_process(
     tmp_path: Path, one_process: list[float], world: int, layout: list[str]
@@ -64,7 +66,6 @@ def test_a_pipelined_checkpoint_resumes_bitwise_and_reshards_into_fsdp(tmp_path:
     "overrides, message",
     [
         (["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"], "does not run split-backward"),
-        (["--parallelism.tensor_parallel_degree", "2"], "tensor_parallel_degree with parallelism.pipeline"),
         (["--validation.enable", "--validation.seq_len", "32"], "validation.seq_len.32. under pipeline"),
         (["--parallelism.pipeline_parallel_microbatch_size", "3"], "must be a multiple of"),
         (["--model.flavor", "1B"], "ties its embedding and output"),
