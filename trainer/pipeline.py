@@ -9,8 +9,8 @@ runs the schedule once per accumulation micro-batch, each split into
 stage and is summed over the pp group for the log; the gradient norm is taken over every stage.
 
 FSDP and DDP inside a stage reduce its gradients once per step, in the stage's last backward (torch's
-REDUCE_GRAD); validation runs the schedule's forwards only. Not yet: tensor parallelism inside stages and
-the split-backward (zero-bubble) schedules.
+REDUCE_GRAD); validation runs the schedule's forwards only; tensor parallelism inside stages sends each TP
+rank's sequence shard. Not yet: data parallelism inside the stages of a split-backward (zero-bubble) schedule.
 """
 
 from __future__ import annotations

@@ -13,8 +13,10 @@ data is needed (sends at the end of the step): the order every rank posts them i
 which the simulator has checked cannot deadlock. Each microbatch's activations are freed as soon as its
 backward has run, so 1F1B holds at most pp microbatches per stage.
 
-Split backward (I/W, zero-bubble schedules) and the FSDP actions are refused for now, with the schedules
-that run.
+Split backward (zero-bubble schedules): I computes the input's gradient only (`torch.autograd.grad`, the
+graph kept), W the weight gradients later (`backward(inputs=params)`); W walks the activation path again,
+which the split that stores the intermediate gradients (torch's stage_backward_input) would save. The
+FSDP actions are not run: FSDP works through its hooks and `set_requires_gradient_sync`.
 """
 
 from __future__ import annotations
@@ -32,17 +34,25 @@ from .p2p import PendingRecv, PendingSend, post_recv, post_send
 from .stage import PipelineStage
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (last stage's output, target) -> loss
-_RUNNABLE = {ActionKind.F, ActionKind.B, ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B}
+_RUNNABLE = {
+    ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W,
+    ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B,
+}  # fmt: skip
 
 
 @dataclass
 class _Activations:
-    """What one microbatch left on one stage until its backward."""
+    """What one microbatch left on one stage until its backward: freed once the weight gradients are in
+    (B, or W after I) and the input's gradient has gone back (sent, taken by the local previous stage, or
+    not needed on the first stage)."""
 
-    input: torch.Tensor | None = None  # requires grad on stages > 0: its .grad goes back a stage
+    input: torch.Tensor | None = None  # requires grad on stages > 0: its gradient goes back a stage
     output: torch.Tensor | None = None
     loss: torch.Tensor | None = None
     input_grad: torch.Tensor | None = None
+    output_grad: torch.Tensor | None = None  # kept from I for W
+    weights_done: bool = False
+    grad_gone: bool = False
 
 
 @dataclass
@@ -69,8 +79,8 @@ class PipelineSchedule:
         unsupported = sorted({a.kind.value for a in actions if a.kind not in _RUNNABLE})
         if unsupported:
             raise NotImplementedError(
-                f"the pipeline runtime does not run {unsupported} actions yet (split backward I/W of the zero-bubble "
-                f"schedules, FSDP's UNSHARD/RESHARD/REDUCE_GRAD); use GPipe, 1F1B, Interleaved1F1B or LoopedBFS"
+                f"the pipeline runtime does not run {unsupported} actions (FSDP's UNSHARD/RESHARD/REDUCE_GRAD run "
+                f"as its hooks and set_requires_gradient_sync); lower the schedule without them"
             )
         self.stages = {s.stage_index: s for s in stages}
         self.actions, self.loss_fn = list(actions), loss_fn
@@ -89,7 +99,7 @@ class PipelineSchedule:
         (torch's REDUCE_GRAD), and not at all without (gradient accumulation over several steps' calls)."""
         last_backward = {}
         for i, a in enumerate(self.actions):
-            if a.kind is ActionKind.B:
+            if a.kind in (ActionKind.B, ActionKind.I):
                 last_backward[a.stage] = i
         live: dict[tuple[int, int], _Activations] = {}
         recvs: dict[tuple[int, ActionKind, int], PendingRecv] = {}
@@ -114,17 +124,21 @@ class PipelineSchedule:
             elif kind is ActionKind.SEND_F:
                 assert live[s, m].output is not None
                 sends.append(post_send(live[s, m].output.detach(), stage.peer(s + 1)))  # type: ignore[union-attr]
-            elif kind is ActionKind.B:
+            elif kind in (ActionKind.B, ActionKind.I):
                 sync = getattr(stage.module, "set_requires_gradient_sync", None)
                 if sync is not None:
                     sync(sync_grads and index == last_backward[s])
-                loss = self._backward(stage, m, live, recvs)
+                loss = self._backward(stage, m, live, recvs, weights=kind is ActionKind.B)
                 if loss is not None:
                     result_losses[m] = loss
+            elif kind is ActionKind.W:
+                self._weight_backward(stage, m, live)
             elif kind is ActionKind.SEND_B:
-                acts = live.pop((s, m))
-                assert acts.input_grad is not None, f"stage {s} microbatch {m}: SEND_B before its B"
+                acts = live[s, m]
+                assert acts.input_grad is not None, f"stage {s} microbatch {m}: SEND_B before its B or I"
                 sends.append(post_send(acts.input_grad, stage.peer(s - 1)))
+                acts.grad_gone = True
+                _release(live, s, m)
         for send in sends:
             send.wait()
         if live or recvs:
@@ -189,26 +203,56 @@ class PipelineSchedule:
         else:
             acts.output = out
 
-    def _backward(self, stage: PipelineStage, m: int, live: dict, recvs: dict) -> torch.Tensor | None:
-        """Stage s's backward of microbatch m; returns the loss on the last stage."""
+    def _backward(
+        self, stage: PipelineStage, m: int, live: dict, recvs: dict, *, weights: bool
+    ) -> torch.Tensor | None:
+        """Stage s's backward of microbatch m: B (input and weight gradients) or, without `weights`, I (the
+        input's gradient only, keeping the graph for W). Returns the loss on the last stage."""
         s = stage.stage_index
         acts = live[s, m]
-        loss = None
+        loss, grad = None, None
         if stage.is_last:
             assert acts.loss is not None
-            with self.loss_context():
-                acts.loss.backward()
-            loss = acts.loss.detach()
+            loss, target = acts.loss.detach(), acts.loss
         else:
-            if stage.is_local(s + 1):
-                grad = live[s + 1, m].input_grad
-                live.pop((s + 1, m))  # its gradient is taken: the next stage's activations are done
+            if stage.is_local(s + 1):  # the next stage is ours: its input's gradient is this one's output's
+                nxt = live[s + 1, m]
+                grad, nxt.grad_gone = nxt.input_grad, True
+                _release(live, s + 1, m)
             else:
                 grad = recvs.pop((s, ActionKind.RECV_B, m)).wait()
             assert acts.output is not None and grad is not None
-            torch.autograd.backward(acts.output, grad)
-        acts.input_grad = None if stage.is_first or acts.input is None else acts.input.grad
-        acts.output, acts.loss = None, None  # the graph is gone: only the input's gradient is left to send
-        if stage.is_first:
-            live.pop((s, m))
+            target = acts.output
+        with self.loss_context() if stage.is_last else contextlib.nullcontext():
+            if weights:
+                torch.autograd.backward(target, grad)
+                acts.input_grad = None if stage.is_first else acts.input.grad
+                acts.output = acts.loss = None  # the graph is gone
+                acts.weights_done = True
+            else:
+                if not stage.is_first:
+                    (acts.input_grad,) = torch.autograd.grad(target, [acts.input], grad, retain_graph=True)
+                acts.output_grad = grad
+        acts.grad_gone = acts.grad_gone or stage.is_first
+        _release(live, s, m)
         return loss
+
+    def _weight_backward(self, stage: PipelineStage, m: int, live: dict) -> None:
+        """W: the weight gradients of stage s's microbatch m, from the graph and output gradient its I kept."""
+        s = stage.stage_index
+        acts = live[s, m]
+        target = acts.loss if stage.is_last else acts.output
+        assert target is not None, f"stage {s} microbatch {m}: W before its I"
+        params = [p for p in stage.module.parameters() if p.requires_grad]
+        with self.loss_context() if stage.is_last else contextlib.nullcontext():
+            torch.autograd.backward(target, acts.output_grad, inputs=params)
+        acts.output = acts.loss = acts.output_grad = None
+        acts.weights_done = True
+        _release(live, s, m)
+
+
+def _release(live: dict, s: int, m: int) -> None:
+    """Drop stage s's microbatch m once nothing needs it any more."""
+    acts = live.get((s, m))
+    if acts is not None and acts.weights_done and acts.grad_gone:
+        del live[s, m]

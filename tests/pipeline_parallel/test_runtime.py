@@ -84,6 +84,10 @@ def _run(schedule_name: str, stages_per_rank: int, num_microbatches: int) -> dic
         ("Interleaved1F1B", 2, 2, 4),
         ("Interleaved1F1B", 2, 4, 8),
         ("LoopedBFS", 2, 2, 4),
+        ("InterleavedZeroBubble", 2, 2, 4),  # split backward: I first, W later
+        ("InterleavedZeroBubble", 2, 4, 8),
+        ("ZBVZeroBubble", 2, 2, 4),  # V placement: rank r holds stages r and 2 pp - 1 - r
+        ("ZBVZeroBubble", 2, 4, 8),
     ],
 )
 def test_schedules_give_the_gradients_of_one_process(
@@ -101,11 +105,13 @@ def test_schedules_give_the_gradients_of_one_process(
             assert all(n == microbatches for n in got["peaks"].values()), got["peaks"]
 
 
-def test_split_backward_schedules_are_refused_naming_the_ones_that_run() -> None:
-    spec = get_schedule("ZBVZeroBubble")
-    mapping = stage_to_rank(2, 2, spec.placement)
-    actions = lower_schedule(spec.generate(2, 2, 4), mapping, 4)[0]
-    with pytest.raises(NotImplementedError, match=r"\['I', 'W'\].*use GPipe, 1F1B, Interleaved1F1B or LoopedBFS"):
+def test_fsdp_actions_are_refused_naming_how_fsdp_runs_instead() -> None:
+    spec = get_schedule("1F1B")
+    mapping = stage_to_rank(2, 1, spec.placement)
+    actions = lower_schedule(spec.generate(2, 1, 4), mapping, 4, unshard_reshard=True, reduce_grad=True)[0]
+    with pytest.raises(
+        NotImplementedError, match=r"\['REDUCE_GRAD', 'RESHARD', 'UNSHARD'\].*set_requires_gradient_sync"
+    ):
         PipelineSchedule([], [a for a in actions if a is not None], _loss)
 
 

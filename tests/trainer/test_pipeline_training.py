@@ -38,8 +38,9 @@ def one_process(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
         (2, [*PP2, "--parallelism.pipeline_parallel_schedule", "GPipe", *MB2]),
         (4, ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "2"]),  # PP(2) x FSDP(2)
         (4, [*PP2, "--parallelism.tensor_parallel_degree", "2"]),  # PP(2) x TP(2), loss parallel on the last stage
+        (2, [*PP2, "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]),  # split backward, V placement
     ],
-    ids=["pp2_1f1b", "pp2_interleaved", "pp2_gpipe_mb2", "pp2_fsdp2", "pp2_tp2"],
+    ids=["pp2_1f1b", "pp2_interleaved", "pp2_gpipe_mb2", "pp2_fsdp2", "pp2_tp2", "pp2_zbv"],
 )  # fmt: skip
 def test_pipelined_training_follows_one_process(
     tmp_path: Path, one_process: list[float], world: int, layout: list[str]
@@ -65,7 +66,8 @@ def test_a_pipelined_checkpoint_resumes_bitwise_and_reshards_into_fsdp(tmp_path:
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"], "does not run split-backward"),
+        (["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"], "split backward. with data parallelism"),
+        (["--parallelism.pipeline_parallel_schedule_csv", "x.csv"], "does not run CSV schedules"),
         (["--validation.enable", "--validation.seq_len", "32"], "validation.seq_len.32. under pipeline"),
         (["--parallelism.pipeline_parallel_microbatch_size", "3"], "must be a multiple of"),
         (["--model.flavor", "1B"], "ties its embedding and output"),
