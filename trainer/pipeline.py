@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.llama3 import Transformer
-from models.llama3.pipeline import module_fqns_per_stage, split_model
+from models.llama3.pipeline import module_fqns_per_stage, split_model, tied_across_stages
 from parallelisms.dtensor import DeviceMesh, DTensor
 from parallelisms.pipeline_parallel import get_schedule, lower_schedule, stage_to_rank
 from parallelisms.pipeline_parallel.runtime import PipelineSchedule
@@ -39,9 +39,14 @@ from .step import MicroBatches, StepResult
 STAGES_PER_RANK_MULTI = 2  # torchtitan's default for the looped schedules without layers_per_stage
 
 
+# The last stage's copy of a tied embedding (1B flavor) is saved and stepped under the embedding's name.
+_TIED_NAMES = {"output.weight": "tok_embeddings.weight"}
+
+
 class PipelineParts(nn.Module):
     """This rank's model parts seen as one model: parameters and state under their global FQNs (the parts
-    are not registered as submodules, which would prefix their names)."""
+    are not registered as submodules, which would prefix their names). A tied output weight on the last
+    stage is named as the embedding it copies, so every checkpoint holds one tied weight, as one process's."""
 
     parts: list[Transformer]
     whole: Transformer
@@ -55,12 +60,14 @@ class PipelineParts(nn.Module):
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator:
         for part in self.parts:
-            yield from part.named_parameters(prefix, recurse, remove_duplicate)
+            for name, p in part.named_parameters(prefix, recurse, remove_duplicate):
+                yield (_TIED_NAMES.get(name, name) if tied_across_stages(part) else name), p
 
     def state_dict(self, *, prefix: str = "", keep_vars: bool = False) -> dict:  # type: ignore[override]
         merged: dict = {}
         for part in self.parts:
-            merged.update(part.state_dict(prefix=prefix, keep_vars=keep_vars))
+            for name, value in part.state_dict(prefix=prefix, keep_vars=keep_vars).items():
+                merged[_TIED_NAMES.get(name, name) if tied_across_stages(part) else name] = value
         return merged
 
     def forward(self, *args: object) -> None:
@@ -107,6 +114,7 @@ class Pipeline:
     schedule_name: str
     num_microbatches: int
     pp_group: dist.ProcessGroup
+    tie_group: dist.ProcessGroup | None = None  # the first and the last stage's ranks, when they share a weight
 
     def runner(
         self, loss_fn: object, num_microbatches: int | None = None, loss_context: object = None
@@ -181,14 +189,52 @@ def pipeline_train_step(
         for loss in result.losses:  # under loss parallelism a DTensor, Replicate over tp
             total = total + (loss.full_tensor() if isinstance(loss, DTensor) else loss)
     dist.all_reduce(total, group=pipeline.pp_group)  # the last stage's loss, on every stage (for the log)
+    _sum_tied_gradients(pipeline)
     grad_norm = _clip_over_stages(pipeline, max_norm)
     optimizer.step()
     return StepResult(total, grad_norm, skipped=False)
 
 
+def _tied_weight(part: Transformer) -> nn.Parameter:
+    module = part.tok_embeddings if part.tok_embeddings is not None else part.output
+    return module.weight  # type: ignore[return-value]
+
+
+def _sum_tied_gradients(pipeline: Pipeline) -> None:
+    """A weight tied across the first and the last stage: both copies step with the sum of both gradients
+    (one all-reduce of this rank's shard between the two stages), so they stay equal and equal one process's."""
+    tied = [part for part in pipeline.model.parts if tied_across_stages(part)]
+    if not tied:
+        return
+    assert pipeline.tie_group is not None and len(tied) == 1
+    weight = _tied_weight(tied[0])
+    grad = weight.grad
+    local = grad._local_tensor if isinstance(grad, DTensor) else grad
+    assert local is not None, "a tied weight without a gradient after the step's backward"
+    dist.all_reduce(local, group=pipeline.tie_group)
+
+
+def build_tie_group(world_mesh: DeviceMesh, tied: bool) -> dist.ProcessGroup | None:
+    """The 2-rank group of the first and the last pipeline stage of this rank's pp line (collective: every rank
+    creates every line's group, in order). None when the model ties no weight (`tied`: the same on every rank)."""
+    if not tied:
+        return None
+    pp = world_mesh.size("pp")
+    names = list(world_mesh.mesh_dim_names or ())
+    lines = world_mesh.mesh.movedim(names.index("pp"), -1).reshape(-1, pp)  # (lines, pp) global ranks
+    mine = None
+    for line in lines.tolist():
+        group = dist.new_group([line[0], line[-1]])
+        if dist.get_rank() in (line[0], line[-1]):
+            mine = group
+    return mine
+
+
 def _clip_over_stages(pipeline: Pipeline, max_norm: float) -> torch.Tensor:
-    """The gradient 2-norm over every stage's parameters (norms squared add up over the pp group), clipped."""
-    grads = [p.grad for p in pipeline.model.parameters() if p.grad is not None]
+    """The gradient 2-norm over every stage's parameters (norms squared add up over the pp group), clipped.
+    The last stage's copy of a tied weight is left out of the norm: one process counts that gradient once."""
+    twins = {id(_tied_weight(p)) for p in pipeline.model.parts if tied_across_stages(p) and p.output is not None}
+    grads = [p.grad for p in pipeline.model.parameters() if p.grad is not None and id(p) not in twins]
     local = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else torch.zeros(())
     if isinstance(local, DTensor):
         local = local.full_tensor()

@@ -47,6 +47,7 @@ from .pipeline import (
     Pipeline,
     PipelineParts,
     build_stages,
+    build_tie_group,
     pipeline_token_loss,
     pipeline_train_step,
     split_for_rank,
@@ -231,7 +232,10 @@ def build_parallel_model(cfg: JobConfig, runtime: Runtime, vocab_size: int) -> n
     pp_mesh = runtime.world_mesh["pp"]
     stages = build_stages(cfg, whole, parts, stage_ids, pp_mesh, runtime.device)
     micro = cfg.training.local_batch_size // p.pipeline_parallel_microbatch_size
-    model.__dict__["pipeline"] = Pipeline(model, stages, p.pipeline_parallel_schedule, micro, pp_mesh.get_group())
+    tie_group = build_tie_group(runtime.world_mesh, whole.model_args.tie_word_embeddings)
+    model.__dict__["pipeline"] = Pipeline(
+        model, stages, p.pipeline_parallel_schedule, micro, pp_mesh.get_group(), tie_group=tie_group
+    )
     return model
 
 

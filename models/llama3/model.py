@@ -180,7 +180,8 @@ class Transformer(nn.Module):
             layer.init_weights()  # type: ignore[operator]
         if self.norm is not None:
             self.norm.reset_parameters()
-        output = self.output or absent["output"]
+        # tied: the output's init fills the embedding (a first pipeline stage holds only the embedding)
+        output = self.output or (self.tok_embeddings if args.tie_word_embeddings else None) or absent["output"]
         std = args.dim**-0.5
         cutoff = 3.0
         nn.init.trunc_normal_(cast(torch.Tensor, output.weight), mean=0.0, std=std, a=-cutoff * std, b=cutoff * std)

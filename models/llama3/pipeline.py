@@ -17,7 +17,7 @@ from torch import nn
 from .model import Transformer
 from .stage_split import module_fqns_per_stage
 
-__all__ = ["is_part", "module_fqns_per_stage", "split_model"]
+__all__ = ["is_part", "module_fqns_per_stage", "split_model", "tied_across_stages"]
 
 
 def split_model(model: Transformer, fqns: list[str]) -> Transformer:
@@ -44,12 +44,13 @@ def split_model(model: Transformer, fqns: list[str]) -> Transformer:
             absent[f"layers.{name}"] = part.layers[name].to_empty(device="meta")
             del part.layers[name]
     part.__dict__["pipeline_absent"] = absent
-    if part.model_args.tie_word_embeddings and (part.tok_embeddings is None) != (part.output is None):
-        raise NotImplementedError(
-            "tied embeddings across pipeline stages (the 1B flavor with pipeline_parallel_degree > 1) are not "
-            "supported yet: the embedding and the output must be on one stage"
-        )
     return part
+
+
+def tied_across_stages(part: Transformer) -> bool:
+    """A part holding one of two tied weights (the embedding or the output) whose twin is on another stage:
+    both stages keep a copy, initialized alike, whose gradients the trainer sums before the step."""
+    return part.model_args.tie_word_embeddings and (part.tok_embeddings is None) != (part.output is None)
 
 
 def is_part(module: nn.Module) -> bool:

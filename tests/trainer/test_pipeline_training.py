@@ -70,7 +70,19 @@ def test_a_pipelined_checkpoint_resumes_bitwise_and_reshards_into_fsdp(tmp_path:
         (["--parallelism.pipeline_parallel_schedule_csv", "x.csv"], "does not run CSV schedules"),
         (["--validation.enable", "--validation.seq_len", "32"], "validation.seq_len.32. under pipeline"),
         (["--parallelism.pipeline_parallel_microbatch_size", "3"], "must be a multiple of"),
-        (["--model.flavor", "1B"], "ties its embedding and output"),
+        (
+            [
+                "--model.flavor",
+                "1B",
+                "--parallelism.pipeline_parallel_schedule",
+                "ZBVZeroBubble",
+                "--parallelism.data_parallel_shard_degree",
+                "1",
+                "--parallelism.tensor_parallel_degree",
+                "2",
+            ],
+            "ties its embedding and output, which the V placement",
+        ),
     ],
 )
 def test_what_pipelines_cannot_do_yet_is_refused_in_the_preflight(overrides: list[str], message: str) -> None:
@@ -107,3 +119,23 @@ def test_run_train_sh_trains_a_two_stage_pipeline(tmp_path: Path) -> None:
     out = run.stdout + run.stderr
     assert run.returncode == 0, out[-3000:]
     assert "mesh_dim_names=('pp',)" in out and "step 2 |" in out, out[-3000:]
+
+
+def test_tied_embeddings_across_the_first_and_last_stage_train_like_one_process(tmp_path: Path) -> None:
+    """The 1B flavor's tied embedding (torchtitan refuses this layout): both stages hold a copy, their
+    gradients are summed before clipping and the step; the checkpoint holds the one tied weight and
+    resumes on one process."""
+    from tests.trainer.test_resume import _train_tied_rank
+
+    ckpt = ["--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.last_save_model_only", "false"]
+    job = [*JOB, *ckpt, "--model.flavor", "1B"]
+    one = _losses(run_world(_train_tied_rank, 1, [*job, "--job.dump_folder", str(tmp_path / "one")])[0])
+    pp = _losses(run_world(_train_tied_rank, 2, [*job, *PP2, "--job.dump_folder", str(tmp_path / "pp")])[0])
+    assert len(one) == 4 and pp == pytest.approx(one, abs=2e-4), (one, pp)
+    import checkpoint
+
+    index = checkpoint.read_index(tmp_path / "pp" / "checkpoint" / "step-2")
+    assert "model.tok_embeddings.weight" in index.tensors and "model.output.weight" not in index.tensors
+    shutil.copytree(tmp_path / "pp" / "checkpoint" / "step-2", tmp_path / "resumed" / "checkpoint" / "step-2")
+    resumed = _losses(run_world(_train_tied_rank, 1, [*job, "--job.dump_folder", str(tmp_path / "resumed")])[0])
+    assert resumed == pytest.approx(pp[2:], abs=2e-4), (pp, resumed)
