@@ -10,7 +10,8 @@ dim, once, for the redistribution that runs it, the prices below and the MESHTRA
 
 Everything the planners compare goes through here: the dispatcher's choice between a rule's
 Shardings (their input redistributions, `redistribute.redistribute_seconds`; a Partial input's
-reduction is priced by the op that consumes it), the foreach rules, and `plan_transitions`
+reduction is priced by the op that consumes it, a Replicate made Partial by the op that makes it),
+the foreach rules, and `plan_transitions`
 choosing between walks. Costs use even shards (global sizes over mesh sizes) unless a caller
 passes exact per-rank sizes, so that every rank computes the same number and picks the same plan.
 """
@@ -75,17 +76,20 @@ class LinkCost:
 class CostModel:
     """Link costs inside a host and across hosts; `local_copy` prices local chunking.
 
-    The default α is small (about 1 KiB of bandwidth): the planner is greedy, one op at a time,
-    and cannot see that a sharded output saves the next op a collective. Measured on the
-    hand-sharded Llama (tests/dtensor/test_comm_cost.py, 2 ranks, 2 steps): α = 10 µs per
-    collective step gives 206 collectives, this default 152 (torch: 208), because a large α makes
-    every near-tie go to the plan with one collective fewer now and more later.
+    The default α is small (about 1 KiB of bandwidth), far below a real one: gloo on this
+    project's CPU runners takes a median 0.1 ms for a 1-element all-reduce on 2 ranks (95-125 µs
+    over three runs of 2,000; 4 KiB: 0.24 ms, 1 MiB: 0.58 ms, about 2 GB/s). It stays small
+    because no choice depends on it: on the hand-sharded Llama (tests/dtensor/test_comm_cost.py)
+    and the programs of tests/dtensor/test_independent_programs.py, 2 and 4 ranks, α of 10 ns,
+    10 µs and 100 µs give the same collectives and bytes (54 on the Llama's 2 steps; torch: 208).
+    Counts moved with what a local partition costs (collective_seconds), not with α.
     """
 
     intra_host: LinkCost = LinkCost(latency_s=1e-8, bandwidth_bytes_per_s=100e9)
     inter_host: LinkCost = LinkCost(latency_s=8e-8, bandwidth_bytes_per_s=12.5e9)
-    # a local chunk or partition is a copy: far cheaper than a collective, but not free, so that
-    # between two plans with the same collectives the one that copies less wins
+    # a local chunk is a copy: far cheaper than a collective, but not free, so that between two
+    # plans with the same collectives the one that copies less wins (a partition also owes the
+    # all-reduce that makes it whole again, see collective_seconds)
     local_copy_bytes_per_s: float = 1e14
     host_size: int = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or 1 << 30
 
@@ -123,14 +127,27 @@ def use_cost_model(model: CostModel) -> Iterator[CostModel]:
 def collective_seconds(kind: str, nbytes: float, mesh: DeviceMesh, mesh_dim: int) -> float:
     """One transition of `kind` (a TRANSITIONS name, or "local") over `mesh_dim` on a tensor of
     `nbytes` (what the group works on): a collective costs α once (the backend pipelines a ring's
-    steps) plus its RING_VOLUME over β; anything else is a local copy."""
+    steps) plus its RING_VOLUME over β; anything else is a local copy.
+
+    A local partition (R -> P) moves nothing now but owes a reduction: its value is only ever read
+    after an all-reduce (or a reduce-scatter) of the same tensor, so it costs that all-reduce, plus
+    the copy. Priced as a copy alone, the greedy planner partitioned every Replicate it met (R + P
+    -> P) and each consumer that needed the value whole paid the reduction again (a nonlinear op
+    and its backward, which reads the saved Partial input: two all-reduces where one was due). On
+    the hand-sharded Llama (tests/dtensor/test_comm_cost.py, 2 ranks, 2 steps) this takes ours from
+    146 collectives to 54 (torch: 208), and the AdamW program of test_independent_programs.py from
+    105 to 83 (torch: 105). A deferral still wins where it saves a reduction outright (P + P -> P).
+    """
     n = mesh.shape[mesh_dim]
     if n == 1:  # moves nothing, but the call is not free: plans that skip it must still win ties
         return CALL_SECONDS
     model = cost_model()
+    copy = nbytes / model.local_copy_bytes_per_s
+    if kind == LOCAL_PARTITION:
+        return collective_seconds(ALL_REDUCE, nbytes, mesh, mesh_dim) + copy
     volume = RING_VOLUME.get(kind)
-    if volume is None:  # a local chunk or partition (or a transition redistribute refuses)
-        return nbytes / model.local_copy_bytes_per_s
+    if volume is None:  # a local chunk (or a transition redistribute refuses)
+        return copy
     link = model.link(mesh, mesh_dim)
     return link.latency_s + volume(nbytes, n) / link.bandwidth_bytes_per_s
 

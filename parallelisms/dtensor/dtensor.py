@@ -20,8 +20,17 @@ import torch.nn as nn
 from . import collectives
 from .device_mesh import DeviceMesh, current_mesh
 from .errors import ArgumentTypeError, UsageError
-from .placements import Partial, Placement, Replicate, Shard, _StridedShard, application_order, normalize_placements
-from .redistribute import check_target, conform_layout, partition_value, redistribute_local
+from .placements import (
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    _StridedShard,
+    application_order,
+    normalize_placements,
+    strided_pieces,
+)
+from .redistribute import check_target, conform_layout, interleaved_chunk, partition_value, redistribute_local
 from .spec import DTensorSpec, TensorMeta
 
 _make_wrapper = torch.Tensor._make_wrapper_subclass
@@ -468,9 +477,9 @@ def distribute_tensor(
     if tensor.device.type != mesh.device_type:
         tensor = tensor.to(mesh.device_type)
     local = tensor.detach()
-    for m in application_order(placements):
-        p = placements[m]
-        local = _distribute_on_mesh_dim(local, mesh, m, coordinate[m], p, src_data_rank)
+    for m in application_order(placements, mesh.shape):
+        pieces = strided_pieces(placements, mesh.shape, m)
+        local = _distribute_on_mesh_dim(local, mesh, m, coordinate[m], placements[m], src_data_rank, pieces)
     if local is tensor or local._base is tensor or local.data_ptr() == tensor.data_ptr():
         local = local.clone()  # the DTensor owns its shard; never alias the caller's tensor
     return DTensor(local.requires_grad_(tensor.requires_grad), spec, requires_grad=tensor.requires_grad)
@@ -492,11 +501,15 @@ def _already_distributed(tensor: DTensor, mesh: DeviceMesh, placements: tuple[Pl
 
 
 def _distribute_on_mesh_dim(
-    local: torch.Tensor, mesh: DeviceMesh, m: int, index: int, p: Placement, src: int | None
+    local: torch.Tensor, mesh: DeviceMesh, m: int, index: int, p: Placement, src: int | None, pieces: int = 1
 ) -> torch.Tensor:
     n = mesh.size(m)
     if src is not None and not 0 <= src < n:
         raise ValueError(f"src_data_rank={src} is out of range for mesh dim {m} of size {n}")
+    if isinstance(p, _StridedShard) and pieces > 1:  # interleaved: the source's copy, then this rank's pieces
+        if src is not None and n > 1:
+            local = collectives.broadcast(local.contiguous().clone(), mesh.get_group(m), src)
+        return interleaved_chunk(local, p.dim, pieces, n, index)
     if isinstance(p, (Shard, _StridedShard)):
         if src is None or n == 1:
             return _local_chunk(local, p.dim, n, index)

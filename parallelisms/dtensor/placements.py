@@ -3,14 +3,15 @@
 `Shard(dim)` follows `torch.chunk`: a dim of size `n` split over `k` ranks gives chunks of
 `ceil(n / k)` elements, so uneven shapes leave a short last shard and possibly empty trailing ones.
 Several mesh dims may shard the same tensor dim; they nest in mesh order (the first mesh dim splits
-the whole dim, the next splits each piece). `_StridedShard` reverses that for its mesh dim: it
-splits the pieces the later mesh dims made (FSDP sharding a TP-sharded parameter, see its doc).
-Nothing here touches a process group.
+the whole dim, the next splits each piece). `_StridedShard` chunks `split_factor` pieces of a dim
+at once (a view's flattened dim), or splits the pieces the later mesh dims made (FSDP sharding a
+TP-sharded parameter); see its doc. Nothing here touches a process group.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -81,21 +82,28 @@ class Shard(Placement):
 
 @dataclass(frozen=True, slots=True)
 class _StridedShard(Placement):
-    """`dim` split on this mesh dim *after* the later mesh dims that `Shard(dim)` it: shard order
-    differs from mesh order (torch's `_StridedShard`, same name and arguments).
+    """`dim` cut into `split_factor` pieces, each piece chunked over this mesh dim; rank r holds
+    chunk r of every piece, concatenated in piece order (torch's `_StridedShard`, same name, arguments
+    and layout). Two programs make one:
 
-    FSDP over TP needs it. On a (dp, tp) mesh, TP's ColwiseParallel gives a weight `Shard(0)` on tp;
-    FSDP then chunks each TP shard along dim 0 over dp. Rank (d, t) holds chunk d of chunk t of the
-    rows: mesh-order `(Shard(0), Shard(0))` would mean chunk t of chunk d, other rows. With
-    `(_StridedShard(0, split_factor=2), Shard(0))` every rank's shard is still one contiguous range
-    of rows, so the exact (uneven) local shape and global offset follow from `torch.chunk` twice (see
-    `local_shape_and_offset`) and a checkpoint can address it. `split_factor` is the product of the
-    later mesh dims' sizes that shard `dim` (how many pieces this mesh dim splits), checked against
-    the mesh when a DTensor is made.
+    * A view that flattens a sharded dim into the dims before it. `(B, H)` with H on `S(1)` viewed
+      as `(B * H,)`: every rank holds its heads of each of the B rows, so the flat dim is
+      `_StridedShard(0, split_factor=B)`. Batched matmul runs on it as it is (batch entries are
+      independent) and the view back to `(B, H)` is `Shard(1)` again (views.py). This is the
+      *interleaved* form: it splits the dim as it stands at its mesh dim, in mesh order.
+    * FSDP over TP. On a (dp, tp) mesh, TP's ColwiseParallel gives a weight `Shard(0)` on tp; FSDP
+      then chunks each TP shard along dim 0 over dp. Rank (d, t) holds chunk d of chunk t of the
+      rows: mesh-order `(Shard(0), Shard(0))` would mean chunk t of chunk d, other rows.
+      `(_StridedShard(0, split_factor=2), Shard(0))` says so. When the later mesh dims that
+      `Shard(dim)` multiply to `split_factor`, this mesh dim *splits their pieces* (it is applied
+      after them, `application_order`): the same layout as the interleaved reading whenever the dim
+      divides into `split_factor` pieces, and exact (one contiguous range of rows at an exact
+      offset, `torch.chunk` twice) when it does not, so a checkpoint can address uneven shards.
 
-    Ops see it only through planning.py: ops that keep every element at its index (pointwise, fills,
-    copies, full reductions) run on the shards as they are; any other op first gathers this mesh dim
-    (all-gather: the TP shard), so results are always those of the global tensor.
+    Only the view family and the matmul family read strided placements (their rules keep them on
+    batch and row dims); every other op reaches planning.py, where ops that keep every element at
+    its index (pointwise, fills, copies, full reductions) run on the shards as they are and the rest
+    gather this mesh dim first, so results are always those of the global tensor.
     """
 
     dim: int
@@ -206,8 +214,9 @@ def normalize_placements(
     """Validate placements for a tensor of rank `ndim` on a mesh of `mesh_ndim` dims.
 
     Negative shard dims are normalized; a wrong count, a shard dim out of range or mixed Partial
-    reduce ops raise ValueError; so does a `_StridedShard` whose split_factor does not match the
-    later mesh dims of `mesh_shape` that shard its dim.
+    reduce ops raise ValueError; so does a `_StridedShard` whose split_factor is not a positive int.
+    (`mesh_shape` is accepted for the callers that pass it: every split_factor >= 1 is a layout, as
+    in torch.)
     """
     placements = tuple(placements)
     if len(placements) != mesh_ndim:
@@ -235,8 +244,7 @@ def normalize_placements(
             out.append(p)
         else:
             raise TypeError(f"placements must be Shard, Replicate or Partial, got {p!r}")
-    if mesh_shape is not None:
-        _check_split_factors(out, mesh_shape)
+    _check_split_factors(out)
     if len(reduce_ops) > 1:
         raise ValueError(
             f"placements {[str(p) for p in out]} mix Partial reduce ops {sorted(reduce_ops)}; "
@@ -245,30 +253,68 @@ def normalize_placements(
     return tuple(out)
 
 
-def _check_split_factors(placements: Sequence[Placement], mesh_shape: Sequence[int]) -> None:
+def _check_split_factors(placements: Sequence[Placement]) -> None:
     for m, p in enumerate(placements):
-        if not isinstance(p, _StridedShard):
-            continue
-        later = [i for i, q in enumerate(placements) if i > m and isinstance(q, Shard) and q.dim == p.dim]
-        want = 1
-        for i in later:
-            want *= mesh_shape[i]
-        if not later or p.split_factor != want:
+        if isinstance(p, _StridedShard) and (not isinstance(p.split_factor, int) or p.split_factor < 1):
             raise ValueError(
-                f"{p!r} on mesh dim {m} of placements {[str(q) for q in placements]} (mesh {tuple(mesh_shape)}) "
-                f"must split the pieces of later mesh dims that Shard({p.dim}): split_factor should be "
-                f"{want if later else 'their size product, but there are none'}; use Shard({p.dim}) for mesh order"
+                f"{p!r} on mesh dim {m} of placements {[str(q) for q in placements]}: split_factor must be a "
+                f"positive int (how many pieces of dim {p.dim} this mesh dim chunks at once); use Shard({p.dim}) "
+                f"for one piece"
             )
 
 
-def application_order(placements: Sequence[Placement]) -> list[int]:
-    """Mesh dims in the order their placements split the tensor: mesh order, `_StridedShard` dims last."""
-    strided = [m for m, p in enumerate(placements) if isinstance(p, _StridedShard)]
-    return [m for m in range(len(placements)) if m not in strided] + strided
+def splits_later_pieces(placements: Sequence[Placement], mesh_shape: Sequence[int], mesh_dim: int) -> bool:
+    """Is the `_StridedShard` on `mesh_dim` FSDP's over TP: the later mesh dims that `Shard` its dim
+    multiply to its split_factor, so it chunks each of their pieces (applied after them)?"""
+    p = placements[mesh_dim]
+    if not isinstance(p, _StridedShard):
+        return False
+    later = [mesh_shape[m] for m in range(mesh_dim + 1, len(placements)) if placements[m] == Shard(p.dim)]
+    return bool(later) and math.prod(later) == p.split_factor
+
+
+def strided_pieces(placements: Sequence[Placement], mesh_shape: Sequence[int], mesh_dim: int) -> int:
+    """How many pieces `mesh_dim` chunks at once: the split_factor of an interleaved `_StridedShard`,
+    else 1 (a Shard, or FSDP's strided dim, which chunks its one piece whole)."""
+    p = placements[mesh_dim]
+    if isinstance(p, _StridedShard) and not splits_later_pieces(placements, mesh_shape, mesh_dim):
+        return p.split_factor
+    return 1
+
+
+def application_order(placements: Sequence[Placement], mesh_shape: Sequence[int]) -> list[int]:
+    """Mesh dims in the order their placements split the tensor: mesh order, FSDP's strided dims
+    (`splits_later_pieces`) last."""
+    last = [m for m in range(len(placements)) if splits_later_pieces(placements, mesh_shape, m)]
+    return [m for m in range(len(placements)) if m not in last] + last
 
 
 def is_strided(placements: Sequence[Placement]) -> bool:
     return any(isinstance(p, _StridedShard) for p in placements)
+
+
+def interleaved_lengths(size: int, pieces: int, num_chunks: int) -> list[list[int]]:
+    """`[rank][piece]` lengths of a dim of `size` cut into `pieces` (torch.chunk) and each piece
+    chunked over `num_chunks` ranks: rank r's shard is its chunks of every piece, in piece order.
+
+      (B * H = 2 * 3, pieces B = 2, 2 ranks): [[2, 2], [1, 1]]  (rank 0: heads 0-1 of both rows)
+    """
+    per_piece = [chunk_sizes(p, num_chunks) for p in chunk_sizes(size, pieces)]
+    return [[chunks[r] for chunks in per_piece] for r in range(num_chunks)]
+
+
+def _interleaved_size_and_offset(size: int, pieces: int, num_chunks: int, index: int) -> tuple[int, int]:
+    """(length, start of its first element) of rank `index`'s interleaved shard of a dim of `size`."""
+    start = 0
+    first = None
+    length = 0
+    for piece in chunk_sizes(size, pieces):
+        n, at = chunk_size_and_offset(piece, num_chunks, index)
+        if n and first is None:
+            first = start + at
+        length += n
+        start += piece
+    return length, (first if first is not None else size)
 
 
 def local_shape_and_offset(
@@ -276,21 +322,31 @@ def local_shape_and_offset(
     mesh_shape: Sequence[int],
     coordinate: Sequence[int],
     placements: Sequence[Placement],
+    *,
+    mesh_dims: Collection[int] | None = None,
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Local shard shape and its global offset for the rank at `coordinate` of the mesh.
 
-    Mesh dims that shard the same tensor dim nest in mesh order, `_StridedShard` dims after the
-    others (`application_order`). Ranks holding an empty shard get size 0 and an offset equal to the
-    dim's size (as torch does), so offsets stay in range.
+    Mesh dims that shard the same tensor dim nest in `application_order`. Ranks holding an empty
+    shard get size 0 and an offset equal to the dim's size (as torch does), so offsets stay in
+    range. An interleaved `_StridedShard` shard is not one range: its offset is that of its first
+    element (torch's "first" offset mode), and the dim's offset means nothing after it.
+    `mesh_dims`: apply only the splits of these mesh dims, read as in the full `placements` (their
+    order and what each strided dim means stay those of the whole layout).
     """
     local = list(global_shape)
     offset = [0] * len(local)
-    for mesh_dim in application_order(placements):
+    for mesh_dim in application_order(placements, mesh_shape):
         p = placements[mesh_dim]
-        if isinstance(p, (Shard, _StridedShard)):
+        if not isinstance(p, (Shard, _StridedShard)) or (mesh_dims is not None and mesh_dim not in mesh_dims):
+            continue
+        pieces = strided_pieces(placements, mesh_shape, mesh_dim)
+        if pieces == 1:
             size, start = chunk_size_and_offset(local[p.dim], mesh_shape[mesh_dim], coordinate[mesh_dim])
-            local[p.dim] = size
-            offset[p.dim] = offset[p.dim] + start if size else global_shape[p.dim]
+        else:
+            size, start = _interleaved_size_and_offset(local[p.dim], pieces, mesh_shape[mesh_dim], coordinate[mesh_dim])
+        offset[p.dim] = offset[p.dim] + start if size else global_shape[p.dim]
+        local[p.dim] = size
     return tuple(local), tuple(offset)
 
 
@@ -301,19 +357,9 @@ def logical_shape_before(
     placements: Sequence[Placement],
     mesh_dim: int,
 ) -> list[int]:
-    """Shape the tensor has on this rank after sharding by mesh dims `< mesh_dim` only.
-
-    This is the 'whole' that mesh dim `mesh_dim` splits: gathering a shard over that mesh dim
-    restores exactly this shape. A `_StridedShard` dim splits what every other dim left, except the
-    strided dims after it.
+    """Shape the tensor has on this rank after the mesh dims that split it before `mesh_dim` does
+    (`application_order`): the 'whole' that mesh dim splits, which gathering over it restores.
     """
-    if isinstance(placements[mesh_dim], _StridedShard):
-        whole = [
-            Replicate() if m == mesh_dim or (m > mesh_dim and isinstance(p, _StridedShard)) else p
-            for m, p in enumerate(placements)
-        ]
-        return list(local_shape_and_offset(global_shape, mesh_shape, coordinate, whole)[0])
-    if is_strided(placements):  # strided dims split last, so never before a plain one
-        placements = [Replicate() if isinstance(p, _StridedShard) else p for p in placements]
-    local, _ = local_shape_and_offset(global_shape, mesh_shape[:mesh_dim], coordinate[:mesh_dim], placements[:mesh_dim])
-    return list(local)
+    order = application_order(placements, mesh_shape)
+    before = order[: order.index(mesh_dim)]
+    return list(local_shape_and_offset(global_shape, mesh_shape, coordinate, placements, mesh_dims=before)[0])

@@ -27,7 +27,7 @@ from .ops import RULES, OpCall, Sharding, rule_file_for
 from .ops import foreach as foreach_ops
 from .ops import random as random_ops
 from .ops.decompositions import Decomposition, find_decomposition
-from .ops.registry import LOCAL_SHAPE, LOCAL_STRIDE, WORLD_LOCAL_IMPLS, LocalImpl, ScalarTensor
+from .ops.registry import LOCAL_SHAPE, LOCAL_STRIDE, STRIDED_RULES, WORLD_LOCAL_IMPLS, LocalImpl, ScalarTensor
 from .placements import Placement, Replicate, Shard, _StridedShard, is_strided
 from .redistribute import redistribute_seconds
 from .spec import DTensorSpec, TensorMeta, dense_stride_like
@@ -94,7 +94,7 @@ def build_plan(op: OpOverload, key_args: tuple, key_kwargs: dict, cache: PlanCac
     """
     call = OpCall(op, key_args, key_kwargs)
     specs = call.specs
-    if any(is_strided(s.placements) for s in specs):
+    if op not in STRIDED_RULES and any(is_strided(s.placements) for s in specs):
         return _strided_plan(call, cache, fallback)
     groups = _check_same_mesh(op, call)
     if groups is not None:  # a foreach op over several meshes: once per mesh
@@ -157,7 +157,8 @@ def _order_free(op: OpOverload, call: OpCall) -> bool:
 
 
 def _strided_plan(call: OpCall, cache: PlanCache, fallback: bool) -> Plan:
-    """A plan for inputs with `_StridedShard` placements (FSDP over TP), which rules never see.
+    """A plan for inputs with `_StridedShard` placements, for ops whose rules do not read them
+    (all but STRIDED_RULES: views and matmul).
 
     An order-free op whose tensors at each position hold the same elements (one placement for
     every same-index input, see `_aligned`) plans as if the strided dims were plain `Shard`s, and
@@ -270,7 +271,7 @@ def choose(call: OpCall, candidates: Sharding | list[Sharding]) -> Sharding:
 
 
 def _sharded_outputs(s: Sharding) -> int:
-    return sum(isinstance(p, Shard) for out in s.outputs if out for p in out)
+    return sum(isinstance(p, (Shard, _StridedShard)) for out in s.outputs if out for p in out)
 
 
 def redistribute_cost(specs: list[DTensorSpec], targets: tuple) -> float:

@@ -48,12 +48,15 @@ from .placements import (
     Replicate,
     Shard,
     _StridedShard,
+    application_order,
     chunk_size_and_offset,
     chunk_sizes,
+    interleaved_lengths,
     is_strided,
     local_shape_and_offset,
     logical_shape_before,
     partition_divisor,
+    strided_pieces,
 )
 from .spec import DTensorSpec, dense_stride_like, is_dense, stride_order
 
@@ -61,13 +64,15 @@ from .spec import DTensorSpec, dense_stride_like, is_dense, stride_order
 @dataclass(frozen=True, slots=True)
 class Transition:
     """Change mesh dim `mesh_dim` from `src` to `dst` by `kind` (its cost.TRANSITIONS name);
-    `logical_shape` is what that dim splits."""
+    `logical_shape` is what that dim splits, into `pieces` chunked at once (an interleaved
+    `_StridedShard`'s split_factor; 1 for every other placement)."""
 
     mesh_dim: int
     src: Placement
     dst: Placement
     logical_shape: tuple[int, ...]
     kind: str
+    pieces: int = 1
 
 
 @lru_cache(maxsize=4096)
@@ -121,32 +126,45 @@ def _walk(
 def _strided_walk(
     src: DTensorSpec, dst_placements: tuple[Placement, ...], coordinate: list[int]
 ) -> tuple[Transition, ...]:
-    """Through mesh-order placements: gather the source's `_StridedShard` dims (last split, so
-    first undone: inner -> outer), walk as usual to the target with its strided dims Replicate,
-    then chunk those locally (outer -> inner). Strided dims whose placement stays are kept only
-    when nothing else changes."""
+    """Through mesh-order placements. Tensor dims that a `_StridedShard` splits (in the source or
+    the target) and whose sharding changes are gathered first, on every mesh dim that splits them,
+    in reverse application order (the last split is undone first); the rest walks as usual to the
+    target with those dims whole; then those dims are chunked locally, in application order.
+    A strided dim whose sharding stays is never touched."""
     shape, mesh_shape = list(src.shape), src.mesh.shape
+    moved = _moved_strided_dims(src.placements, dst_placements)
     current = list(src.placements)
     steps: list[Transition] = []
-    for m in reversed(range(len(current))):
-        if isinstance(current[m], _StridedShard):
-            logical = logical_shape_before(shape, mesh_shape, coordinate, current, m)
-            steps.append(
-                Transition(m, current[m], Replicate(), tuple(logical), transition_kind(current[m], Replicate()))
-            )
+    for m in reversed(application_order(src.placements, mesh_shape)):
+        p = src.placements[m]
+        if isinstance(p, (Shard, _StridedShard)) and p.dim in moved:
+            # read in the full source layout: its earlier splits are all still in place
+            logical = tuple(logical_shape_before(shape, mesh_shape, coordinate, src.placements, m))
+            pieces = strided_pieces(src.placements, mesh_shape, m)
+            steps.append(Transition(m, p, Replicate(), logical, transition_kind(p, Replicate()), pieces))
             current[m] = Replicate()
-    middle = tuple(Replicate() if isinstance(p, _StridedShard) else p for p in dst_placements)
-    plain = src.with_placements(tuple(current))
-    if plain.placements != middle:
-        steps.extend(plan_transitions(plain, middle))
-    current = list(middle)
-    for m, p in enumerate(dst_placements):
-        if isinstance(p, _StridedShard):
-            probe = [*current[:m], p, *current[m + 1 :]]
-            logical = logical_shape_before(shape, mesh_shape, coordinate, probe, m)
-            steps.append(Transition(m, Replicate(), p, tuple(logical), transition_kind(Replicate(), p)))
-            current[m] = p
+    middle = tuple(
+        Replicate() if isinstance(p, (Shard, _StridedShard)) and p.dim in moved else p for p in dst_placements
+    )
+    if tuple(current) != middle:
+        steps.extend(_walk(src.with_placements(tuple(current)), middle, coordinate, unnest_first=True))
+    for m in application_order(dst_placements, mesh_shape):
+        p = dst_placements[m]
+        if isinstance(p, (Shard, _StridedShard)) and p.dim in moved:
+            logical = tuple(logical_shape_before(shape, mesh_shape, coordinate, dst_placements, m))
+            pieces = strided_pieces(dst_placements, mesh_shape, m)
+            steps.append(Transition(m, Replicate(), p, logical, transition_kind(Replicate(), p), pieces))
     return tuple(steps)
+
+
+def _moved_strided_dims(src: Sequence[Placement], dst: Sequence[Placement]) -> set[int]:
+    """Tensor dims a `_StridedShard` splits in `src` or `dst` whose per-mesh-dim sharding differs."""
+    dims = {p.dim for p in (*src, *dst) if isinstance(p, _StridedShard)}
+
+    def sharding(placements: Sequence[Placement], d: int) -> list[tuple[int, Placement]]:
+        return [(m, p) for m, p in enumerate(placements) if isinstance(p, (Shard, _StridedShard)) and p.dim == d]
+
+    return {d for d in dims if sharding(src, d) != sharding(dst, d)}
 
 
 def _estimated_cost(src: DTensorSpec, steps: tuple[Transition, ...]) -> float:
@@ -343,6 +361,8 @@ def run_transition(
     if n == 1:
         return local  # a group of one: every transition is the identity
     kind, src, dst = step.kind, step.src, step.dst
+    if kind == ALL_GATHER and step.pieces > 1:
+        return _gather_interleaved(local, step, mesh)
     if kind == ALL_GATHER:  # Shard or _StridedShard: both name their dim
         dim = cast(Shard, src).dim
         sizes = chunk_sizes(step.logical_shape[dim], n)
@@ -358,6 +378,8 @@ def run_transition(
         return collectives.all_to_all(
             local, cast(Shard, src).dim, cast(Shard, dst).dim, mesh.get_group(m), index, list(step.logical_shape)
         )
+    if kind == LOCAL_CHUNK and step.pieces > 1:
+        return interleaved_chunk(local, cast(_StridedShard, dst).dim, step.pieces, n, index)
     if kind == LOCAL_CHUNK:
         dim = cast(Shard, dst).dim
         size, start = chunk_size_and_offset(local.shape[dim], n, index)
@@ -374,6 +396,28 @@ def run_transition(
         f"cannot redistribute {src} to {dst} on mesh dim {m}: only a Replicate tensor can become Partial; "
         f"redistribute to Replicate() first"
     )
+
+
+def _gather_interleaved(local: torch.Tensor, step: Transition, mesh: DeviceMesh) -> torch.Tensor:
+    """An interleaved `_StridedShard` -> Replicate: one all-gather of the shards, then every
+    piece's chunks put back in rank order (a local copy)."""
+    dim, n = cast(_StridedShard, step.src).dim, mesh.size(step.mesh_dim)
+    lengths = interleaved_lengths(step.logical_shape[dim], step.pieces, n)  # [rank][piece]
+    totals = [sum(r) for r in lengths]
+    gathered = collectives.all_gather(local, dim, mesh.get_group(step.mesh_dim), totals)
+    blocks = [rank.split(sizes, dim=dim) for rank, sizes in zip(gathered.split(totals, dim), lengths)]
+    return torch.cat([blocks[r][i] for i in range(step.pieces) for r in range(n)], dim=dim)
+
+
+def interleaved_chunk(whole: torch.Tensor, dim: int, pieces: int, n: int, index: int) -> torch.Tensor:
+    """Replicate -> interleaved `_StridedShard`: chunk `index` of each of the `pieces` pieces of
+    `dim`, concatenated (torch's `_StridedShard._split_tensor`, one rank's shard)."""
+    out, start = [], 0
+    for piece in chunk_sizes(whole.shape[dim], pieces):
+        size, at = chunk_size_and_offset(piece, n, index)
+        out.append(whole.narrow(dim, start + at, size))
+        start += piece
+    return torch.cat(out, dim=dim).contiguous()
 
 
 def partition_value(local: torch.Tensor, reduce_op: str, n: int, index: int) -> torch.Tensor:

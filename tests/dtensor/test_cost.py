@@ -43,3 +43,14 @@ def test_collectives_cost_latency_plus_ring_volume_over_bandwidth() -> None:
         assert collective_seconds("reduce_scatter", nbytes, GRID, 0) == pytest.approx(1e-5 + nbytes / 2 / 1e10)
         assert collective_seconds("local", nbytes, GRID, 0) < collective_seconds("all_gather", 1, GRID, 1)
     assert cost_model() != TWO_HOSTS  # the override ends with its context
+
+
+def test_a_partition_costs_the_all_reduce_it_defers() -> None:
+    """R -> P moves nothing now, but its value is read only after an all-reduce: it costs that
+    all-reduce plus the copy, so reducing a Partial at once beats partitioning a Replicate into it."""
+    with use_cost_model(TWO_HOSTS):
+        nbytes = 4e6
+        all_reduce = collective_seconds("all_reduce", nbytes, GRID, 1)
+        partition = collective_seconds("local partition", nbytes, GRID, 1)
+        assert all_reduce < partition == pytest.approx(all_reduce + nbytes / TWO_HOSTS.local_copy_bytes_per_s)
+        assert collective_seconds("local chunk", nbytes, GRID, 1) < collective_seconds("all_gather", 1, GRID, 1)

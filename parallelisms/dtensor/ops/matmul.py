@@ -11,11 +11,14 @@ One mesh dim at a time, the legal layouts are:
 
 With a Partial output the additive operand must be Partial too (`bias + sum_r t_r` is
 `sum_r (bias / n + t_r)`): a Replicate bias is partitioned locally (bias / n), never summed n times.
-A rule offers the product of the per-mesh-dim layouts and the dispatcher keeps the cheapest. S(k) x S(k)
-is offered only where it needs no collective (each operand already S(k) or Replicate): the dispatcher
-prices input moves only, and a Partial output defers a reduction of the whole output. A plain 0-d
-bias (not a DTensor) rules out Partial outputs; in-place (`addmm_`) and out= calls keep the written
-tensor's placements.
+A letter may also be split as a `_StridedShard` of a view's flattened dim (`(B, H, T, D)` with heads
+sharded, viewed as `(B * H, T, D)`, is `_S(0, B)`): its entries are independent like any other
+letter's, so `_S(b, sf) x _S(b, sf) -> _S(b, sf)` as torch's bmm does, and the view back restores
+`S(1)` (views.py). A rule offers the product of the per-mesh-dim layouts and the dispatcher keeps the
+cheapest. S(k) x S(k) is offered only where it needs no collective (each operand already S(k) or
+Replicate): the dispatcher prices input moves only, and a Partial output defers a reduction of the
+whole output. A plain 0-d bias (not a DTensor) rules out Partial outputs; in-place (`addmm_`) and
+out= calls keep the written tensor's placements.
 
 Uneven shards need nothing special: every operand holding a letter is split on it by the same mesh
 dims in the same order, so their `torch.chunk` pieces line up (an empty k piece contributes zeros).
@@ -33,7 +36,7 @@ from typing import Any
 from torch._ops import OpOverloadPacket
 from torch.ops import aten
 
-from ..placements import Partial, Placement, Replicate, Shard
+from ..placements import Partial, Placement, Replicate, Shard, _StridedShard
 from ..spec import DTensorSpec
 from .registry import OpCall, Placements, Sharding, register
 
@@ -92,8 +95,18 @@ def additive_letters(shape: Sequence[int], output: str, output_shape: Sequence[i
     )
 
 
-def _shard_on(letters: Letters, x: str) -> Placement:
-    return Shard(letters.index(x)) if x in letters else Replicate()
+def _shard_on(letters: Letters, x: str, split_factor: int | None = None) -> Placement:
+    """Shard the dim of letter `x` (a `_StridedShard` with `split_factor`), Replicate without it."""
+    if x not in letters:
+        return Replicate()
+    return Shard(letters.index(x)) if split_factor is None else _StridedShard(letters.index(x), split_factor)
+
+
+def _shard_kinds(current: Sequence[Placement]) -> list[int | None]:
+    """How a letter may be split on this mesh dim: Shard (None), and each split factor of a strided
+    input (a view's flattened batch or rows: `_S(0, B)` x `_S(0, B)` -> `_S(0, B)`; every operand holding
+    the letter gets the same one, so their pieces line up)."""
+    return [None, *sorted({p.split_factor for p in current if isinstance(p, _StridedShard)})]
 
 
 def product_layouts(
@@ -103,14 +116,15 @@ def product_layouts(
     each product operand's placement now (it decides which Partials are worth offering)."""
     r = Replicate()
     layouts: list[tuple[list[Placement], Placement]] = [([r] * len(operands), r)]  # R x R -> R
-    for x in einsum.output:  # S(x) x R -> S(x)
-        layouts.append(([_shard_on(lt, x) for lt in operands], Shard(einsum.output.index(x))))
-    for x in einsum.contracted:  # S(k) x S(k) -> P(sum); an operand without k is replicated
-        contract = [_shard_on(lt, x) for lt in operands]
-        # only where no operand needs a collective to get there: a Partial output defers a reduction
-        # of the whole output, which the dispatcher's input-bytes cost cannot see
-        if all(want == now or isinstance(now, Replicate) for want, now in zip(contract, current)):
-            layouts.append((contract, Partial("sum")))
+    for sf in _shard_kinds(current):
+        for x in einsum.output:  # S(x) x R -> S(x)
+            layouts.append(([_shard_on(lt, x, sf) for lt in operands], _shard_on(tuple(einsum.output), x, sf)))
+        for x in einsum.contracted:  # S(k) x S(k) -> P(sum); an operand without k is replicated
+            contract = [_shard_on(lt, x, sf) for lt in operands]
+            # only where no operand needs a collective to get there: a Partial output defers a reduction
+            # of the whole output, which the dispatcher's input-bytes cost cannot see
+            if all(want == now or isinstance(now, Replicate) for want, now in zip(contract, current)):
+                layouts.append((contract, Partial("sum")))
     return layouts
 
 
@@ -138,8 +152,9 @@ def mesh_dim_layouts(
         if additive is not None:
             # the additive operand follows the output: sharded on the same letter, Partial with a Partial output
             add_p: Placement = out_p
-            if isinstance(out_p, Shard):
-                add_p = _shard_on(additive, einsum.output[out_p.dim])
+            if isinstance(out_p, (Shard, _StridedShard)):
+                sf = out_p.split_factor if isinstance(out_p, _StridedShard) else None
+                add_p = _shard_on(additive, einsum.output[out_p.dim], sf)
             placements = [add_p, *placements]
         if all(_reachable(now, want) for now, want in zip(current, placements)):
             out.append((tuple(placements), out_p))
@@ -216,7 +231,7 @@ def spec_keys(call: OpCall) -> list[tuple]:
     return keys
 
 
-@register(*EINSUMS)
+@register(*EINSUMS, strided=True)
 def einsum_rule(call: OpCall) -> list[Sharding]:
     """mm / bmm / dot / mv and their add* forms: the einsum layouts above, cheapest chosen by the dispatcher."""
     einsum, has_additive = EINSUMS[call.op.overloadpacket]

@@ -186,15 +186,21 @@ LOCAL_STRIDE = LocalStride()
 Rule = Callable[[OpCall], "Sharding | list[Sharding]"]
 
 RULES: dict[OpOverload, Rule] = {}
+# Ops whose rules read `_StridedShard` placements themselves (the view and matmul families); every
+# other op's strided inputs go through planning's `_strided_plan` (run as they are, or gathered).
+STRIDED_RULES: set[OpOverload] = set()
 
 
-def register(*ops: OpOverload | OpOverloadPacket) -> Callable[[Rule], Rule]:
-    """Register `rule` for ops; a packet (`aten.add`) registers every overload it has."""
+def register(*ops: OpOverload | OpOverloadPacket, strided: bool = False) -> Callable[[Rule], Rule]:
+    """Register `rule` for ops; a packet (`aten.add`) registers every overload it has. `strided`:
+    the rule handles `_StridedShard` inputs (see STRIDED_RULES)."""
 
     def wrap(rule: Rule) -> Rule:
         for op in ops:
             for overload in _overloads(op):
                 RULES[overload] = rule
+                if strided:
+                    STRIDED_RULES.add(overload)
         return rule
 
     return wrap

@@ -2,12 +2,15 @@
 
 An op becomes a *dim map*, one DimSpec per output dim saying where that dim comes from (an input
 dim, a piece of a flattened group of input dims, a new or broadcast dim). `propagate` then decides,
-per mesh dim, where a Shard(d) input goes:
+per mesh dim in mesh order, where a Shard(d) or _StridedShard(d) input goes:
 
-    S(d) -> S(k)   when output dim k is input dim d whole (maybe moved), or d is the outermost dim
-                   of a reshaped group and every rank's torch.chunk shard of d, times the inner
-                   sizes, is exactly its torch.chunk shard of output dim k (times its inner sizes);
-    S(d) -> R      otherwise (the input is gathered on that mesh dim first).
+    S(d) -> S(k)         output dim k is input dim d whole (maybe moved), or d is the outermost dim of
+                         a group whose torch.chunk shards line up with those of output dim k;
+    S(d) -> _S(k, sf)    d is a later dim of a flatten into k (`(B, H) -> (B * H)` with H sharded:
+                         sf = B), as torch's view rule, when the rank's pieces line up;
+    _S(d, sf) -> S(j)    the flatten undone: d split into pieces whose outer ones multiply to sf
+                         (`_S(j, sf / outer)` when they divide it);
+    S/_S(d) -> R         otherwise (the input is gathered on that mesh dim first).
     P(op) -> P(op) always: a view moves values without changing them.
 
 Shard checks use the global sizes and every rank's chunk (nested mesh dims included), so the result
@@ -17,11 +20,21 @@ The rules that use it live in views.py.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..placements import Replicate, Shard, chunk_sizes
+from ..placements import (
+    Placement,
+    Replicate,
+    Shard,
+    _StridedShard,
+    chunk_sizes,
+    local_shape_and_offset,
+    splits_later_pieces,
+    strided_pieces,
+)
 from .registry import Placements
 
 # --------------------------------------------------------------------------------------------------
@@ -197,22 +210,176 @@ def carriers(dim_map: DimMap) -> dict[int, tuple[int, Group | None]]:
 def propagate(dim_map: DimMap, placements: Placements, mesh_shape: Sequence[int]) -> tuple[Placements, Placements]:
     """(required input placements, output placements) of a view with `dim_map`.
 
-    Mesh dims sharding the same input dim nest in mesh order; the longest outer run of them whose
-    nested chunks align keeps its shard, the inner rest is gathered (dropping an inner split never
-    changes what the outer ones hold).
+    One mesh dim at a time, in mesh order (the order its split applies, see placements.py):
+
+      whole dim (maybe moved)            S(d) -> S(k), _S(d, sf) -> _S(k, sf)
+      dim of a flatten (one output k)    the rank's local pieces of the flattened dims, as they stand at
+                                         that mesh dim, must chunk the same way as the flat dim: the
+                                         first dim -> S(k); a later one (or a strided first one) ->
+                                         _S(k, sf), sf = the local size of the dims before it times
+                                         its own split factor (torch's view rule)
+      split of a dim (one input d)       the rank's local piece of d, as the outputs stand at that mesh
+                                         dim, is cut into sf pieces (1 for a Shard): S(j) on the output j
+                                         whose outer local sizes multiply to sf (the flatten undone,
+                                         `_S(0, B)` of `(B * H)` -> `S(1)` of `(B, H)`), `_S(j, sf / outer)`
+                                         when they divide it, if its chunks line up
+      outermost dim of another group     S(d) -> S(first output) when torch.chunk shards line up
+
+    Everything else is gathered first (Replicate), and so is every inner mesh dim on a dim an outer
+    one gathered. FSDP's strided dims (placements.splits_later_pieces) only cross whole dims.
     """
     carried = carriers(dim_map)
+    flattened = flatten_members(dim_map)
+    splits = {spec.dims[0]: spec for spec in dim_map if isinstance(spec, Group) and len(spec.dims) == 1}
+    splits = {d: g for d, g in splits.items() if len(g.out_sizes) > 1}
+    keep = _plain_keeps(dim_map, placements, mesh_shape)
     required, output = list(placements), list(placements)
-    for d in sorted({p.dim for p in placements if isinstance(p, Shard)}):
-        mesh_dims = [m for m, p in enumerate(placements) if isinstance(p, Shard) and p.dim == d]
+    gathered: set[int] = set()  # tensor dims an outer mesh dim had to gather
+    for m, p in enumerate(placements):
+        if not isinstance(p, (Shard, _StridedShard)):
+            continue
+        d = p.dim
         k, group = carried.get(d, (None, None))
-        keep = 0 if k is None else aligned_prefix(group, [mesh_shape[m] for m in mesh_dims])
-        for i, m in enumerate(mesh_dims):
-            if k is not None and i < keep:  # keep is 0 when no output dim carries d
-                output[m] = Shard(k)
-            else:
-                required[m] = output[m] = Replicate()
+        out: Placement | None = None
+        if d in gathered:
+            out = None
+        elif k is not None and group is None:
+            out = Shard(k) if isinstance(p, Shard) else _StridedShard(k, p.split_factor)
+        elif splits_later_pieces(placements, mesh_shape, m):
+            required[m] = output[m] = Replicate()  # FSDP's strided dim: its plain dims stay as they are
+            continue
+        elif d in flattened:
+            out = _flattened_shard(flattened[d], d, m, p, placements, required, mesh_shape)
+        elif d in splits:
+            out = _split_shard(dim_map, splits[d], m, placements, output, mesh_shape)
+        elif isinstance(p, Shard) and k is not None and m in keep:
+            out = Shard(k)
+        if out is None:
+            required[m] = output[m] = Replicate()
+            gathered.add(d)
+        else:
+            output[m] = out
     return tuple(required), tuple(output)
+
+
+def flatten_members(dim_map: DimMap) -> dict[int, tuple[int, Group]]:
+    """input dim -> (output dim, group) for every input dim of a group with one output (a flatten)."""
+    return {
+        d: (k, spec)
+        for k, spec in enumerate(dim_map)
+        if isinstance(spec, Group) and len(spec.out_sizes) == 1 and len(spec.dims) > 1
+        for d in spec.dims
+    }
+
+
+def _plain_keeps(dim_map: DimMap, placements: Placements, mesh_shape: Sequence[int]) -> set[int]:
+    """Mesh dims whose Shard of the outermost dim of a group of several input and output dims may stay: the
+    longest outer run of the mesh dims sharding that dim whose nested chunks align (dropping an
+    inner split never changes what the outer ones hold). A dim some strided placement also splits
+    keeps nothing."""
+    out: set[int] = set()
+    for d, (_, group) in carriers(dim_map).items():
+        mesh_dims = [m for m, p in enumerate(placements) if isinstance(p, (Shard, _StridedShard)) and p.dim == d]
+        if group is None or len(group.out_sizes) == 1 or len(group.dims) == 1 or not mesh_dims:
+            continue  # whole dims, flattens and splits are decided per mesh dim (propagate)
+        if any(isinstance(placements[m], _StridedShard) for m in mesh_dims):
+            continue
+        out.update(mesh_dims[: aligned_prefix(group, [mesh_shape[m] for m in mesh_dims])])
+    return out
+
+
+def _flattened_shard(
+    target: tuple[int, Group],
+    d: int,
+    mesh_dim: int,
+    p: Shard | _StridedShard,
+    placements: Placements,
+    required: Sequence[Placement],
+    mesh_shape: Sequence[int],
+) -> Placement | None:
+    """Where mesh dim `mesh_dim`'s split of input dim `d` goes when `d` is flattened with others.
+
+    When that mesh dim splits, every rank holds its local pieces of the group's dims (mesh dims
+    before it applied, as `required` keeps them). Cutting `d`'s local size `l` into the placement's
+    `q` pieces (1 for a Shard), the flat dim holds `b = prod(sizes before d)` blocks of `q` pieces of
+    `(l / q) * a` elements (`a` = prod(sizes after d)); chunking each piece of `d` over the mesh dim
+    is chunking each flat piece iff torch.chunk of `(l / q) * a` is that of `l / q` times `a`. Then the
+    output is `_S(k, b * q)` (torch's split factor; `S(k)` for a Shard of the first dim), provided
+    `b` is the same on every rank.
+    """
+    k, group = target
+    n, pos = mesh_shape[mesh_dim], group.dims.index(d)
+    q = strided_pieces(placements, mesh_shape, mesh_dim)
+    local_group = tuple(_on_dims(r, group.dims) for r in required)  # the group alone, its dims numbered 0..
+    befores: set[int] = set()
+    for coordinate in itertools.product(*(range(s) for s in mesh_shape[:mesh_dim])):
+        coord = (*coordinate, *(0,) * (len(mesh_shape) - mesh_dim))
+        sizes, _ = local_shape_and_offset(group.in_sizes, mesh_shape, coord, local_group, mesh_dims=range(mesh_dim))
+        if not _pieces_align(sizes[pos], q, math.prod(sizes[pos + 1 :]), n):
+            return None
+        befores.add(math.prod(sizes[:pos]))
+    if len(befores) != 1:
+        return None  # the ranks hold different numbers of blocks: no one split factor
+    if pos == 0 and isinstance(p, Shard):
+        return Shard(k)
+    return _StridedShard(k, befores.pop() * q)
+
+
+def _on_dims(p: Placement, dims: Sequence[int]) -> Placement:
+    """`p` on the tensor of `dims` alone (its dim i is dims[i]); a shard of any other dim is Replicate."""
+    if isinstance(p, Shard) and p.dim in dims:
+        return Shard(list(dims).index(p.dim))
+    if isinstance(p, _StridedShard) and p.dim in dims:
+        return _StridedShard(list(dims).index(p.dim), p.split_factor)
+    return Replicate() if isinstance(p, (Shard, _StridedShard)) else p
+
+
+def _split_shard(
+    dim_map: DimMap,
+    group: Group,
+    mesh_dim: int,
+    placements: Placements,
+    output: Sequence[Placement],
+    mesh_shape: Sequence[int],
+) -> Placement | None:
+    """Where mesh dim `mesh_dim`'s split of input dim `d` goes when `d` is split into `group.out_sizes`.
+
+    When that mesh dim splits, every rank's piece of `d` is the flattening of its local output sizes
+    `l` (mesh dims before it applied, as `output` places them). The placement cuts it into `q` pieces
+    (1 for a Shard) and chunks each: that is output j chunked in `q / prod(l[:j])` pieces (a Shard when
+    that is 1) when prod(l[:j]) divides q, is the same on every rank, and torch.chunk of a piece of
+    l[j] times the sizes inside it is that of the piece times them.
+    """
+    n, q = mesh_shape[mesh_dim], strided_pieces(placements, mesh_shape, mesh_dim)
+    pieces_at = [k for k, spec in enumerate(dim_map) if isinstance(spec, Group) and spec.dims == group.dims]
+    local_group = tuple(_on_dims(o, pieces_at) for o in output)  # the output pieces alone
+    locals_ = [
+        local_shape_and_offset(
+            group.out_sizes,
+            mesh_shape,
+            (*coordinate, *(0,) * (len(mesh_shape) - mesh_dim)),
+            local_group,
+            mesh_dims=range(mesh_dim),
+        )[0]
+        for coordinate in itertools.product(*(range(s) for s in mesh_shape[:mesh_dim]))
+    ]
+    for j in range(len(group.out_sizes)):
+        outers = {math.prod(sizes[:j]) for sizes in locals_}
+        if len(outers) != 1 or q % next(iter(outers)):
+            continue
+        pieces = q // outers.pop()
+        if all(_pieces_align(sizes[j], pieces, math.prod(sizes[j + 1 :]), n) for sizes in locals_):
+            return Shard(pieces_at[j]) if pieces == 1 else _StridedShard(pieces_at[j], pieces)
+    return None
+
+
+def _pieces_align(size: int, pieces: int, inner: int, n: int) -> bool:
+    """Cutting `size` rows of `inner` elements into `pieces` and chunking each piece over `n` ranks
+    chunks whole rows: torch.chunk of a piece's elements is that of its rows, times `inner`."""
+    if size % pieces:
+        return False
+    rows = size // pieces
+    return chunk_sizes(rows * inner, n) == [c * inner for c in chunk_sizes(rows, n)]
 
 
 def aligned_prefix(group: Group | None, mesh_sizes: list[int]) -> int:

@@ -4,8 +4,12 @@ as_strided.
 
 Each view op becomes a dim map (view_dims.py: one DimSpec per output dim) and `propagate` decides
 where each Shard goes: it follows its dim when the dim survives whole, or when it is the outermost
-dim of a reshaped group whose torch.chunk shards line up; otherwise it is gathered first. Partial
-always stays Partial: a view moves values without changing them.
+dim of a reshaped group whose torch.chunk shards line up; a later dim of a flatten becomes a
+`_StridedShard` of the flat dim (torch's rule: `(B, H, T, D) -> (B * H, T, D)` with heads sharded is
+`_S(0, B)`, which bmm runs on) and splitting it back gives the Shard again; otherwise it is gathered
+first. The movement and reshape rules here read strided placements (`register(..., strided=True)`);
+the selection rules do not, and planning gathers strided dims before them. Partial always stays
+Partial: a view moves values without changing them.
 
 Size args of the local call (view sizes, expand sizes, backward input_sizes) are global; rules pass
 LOCAL_SHAPE instead so the op stays a view of the local shard.
@@ -17,7 +21,7 @@ import torch
 from torch.ops import aten
 
 from ..errors import ShardingError
-from ..placements import Partial, Replicate, Shard
+from ..placements import Partial, Replicate, Shard, _StridedShard
 from ..spec import DTensorSpec
 from .registry import LOCAL_SHAPE, OpCall, Placements, Sharding, register
 from .view_dims import (
@@ -35,7 +39,7 @@ from .view_dims import (
 
 
 def _has_shard(placements: Placements) -> bool:
-    return any(isinstance(p, Shard) for p in placements)
+    return any(isinstance(p, (Shard, _StridedShard)) for p in placements)
 
 
 def _view_sharding(
@@ -73,7 +77,7 @@ def _meta_output(call: OpCall):
 # --------------------------------------------------------------------------------------------------
 
 
-@register(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+@register(aten.view.default, aten._unsafe_view.default, aten.reshape.default, strided=True)
 def view_rule(call: OpCall) -> Sharding:
     """view/reshape: S(d) follows d through `view_groups`; sizes become the local shape."""
     spec = call.specs[0]
@@ -82,7 +86,14 @@ def view_rule(call: OpCall) -> Sharding:
 
 # Composites (flatten, view_as, movedim, expand_as, chunk, narrow, ...) reach the dispatcher only
 # under torch.inference_mode; with autograd on they decompose into the ops above.
-@register(aten._reshape_alias.default, aten.flatten.using_ints, aten.unflatten.int, aten.view_as, aten.reshape_as)
+@register(
+    aten._reshape_alias.default,
+    aten.flatten.using_ints,
+    aten.unflatten.int,
+    aten.view_as,
+    aten.reshape_as,
+    strided=True,
+)
 def view_like_rule(call: OpCall) -> Sharding:
     """Ops that are a view to some shape: run as `view(local shape)` on the shard."""
     spec = call.specs[0]
@@ -91,19 +102,19 @@ def view_like_rule(call: OpCall) -> Sharding:
     return _view_sharding(call, view_groups(spec.shape, out_shape), local_op=local_op, sized=True)
 
 
-@register(aten.transpose.int, aten.swapaxes.default, aten.swapdims.default)
+@register(aten.transpose.int, aten.swapaxes.default, aten.swapdims.default, strided=True)
 def transpose_rule(call: OpCall) -> Sharding:
     """S(d0) <-> S(d1): dims swap, shards follow."""
     return _view_sharding(call, dim_transpose(call.specs[0].ndim, call.args[1], call.args[2]))
 
 
-@register(aten.permute.default)
+@register(aten.permute.default, strided=True)
 def permute_rule(call: OpCall) -> Sharding:
     """S(dims[k]) -> S(k)."""
     return _view_sharding(call, dim_permute(call.specs[0].ndim, call.args[1]))
 
 
-@register(aten.movedim.int, aten.movedim.intlist)
+@register(aten.movedim.int, aten.movedim.intlist, strided=True)
 def movedim_rule(call: OpCall) -> Sharding:
     """movedim(source, destination): a permute; the local call is unchanged."""
     ndim = call.specs[0].ndim
@@ -115,20 +126,20 @@ def movedim_rule(call: OpCall) -> Sharding:
     return _view_sharding(call, dim_permute(ndim, [o if o is not None else next(rest) for o in order]))
 
 
-@register(aten.t.default)
+@register(aten.t.default, strided=True)
 def t_rule(call: OpCall) -> Sharding:
     """t() of a tensor of at most 2 dims reverses them."""
     ndim = call.specs[0].ndim
     return _view_sharding(call, dim_permute(ndim, range(ndim)[::-1]))
 
 
-@register(aten.unsqueeze.default)
+@register(aten.unsqueeze.default, strided=True)
 def unsqueeze_rule(call: OpCall) -> Sharding:
     """S(d) -> S(d + 1) for d >= dim."""
     return _view_sharding(call, dim_unsqueeze(call.specs[0].ndim, call.args[1]))
 
 
-@register(aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims)
+@register(aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims, strided=True)
 def squeeze_rule(call: OpCall) -> Sharding:
     """Drop the globally size-1 target dims (a sharded one is gathered: only rank 0 holds its element).
 
@@ -141,7 +152,7 @@ def squeeze_rule(call: OpCall) -> Sharding:
     return _view_sharding(call, dim_map, local_op=aten.squeeze.dims, local_args=(call.args[0], dropped))
 
 
-@register(aten.expand.default, aten.expand_as.default)
+@register(aten.expand.default, aten.expand_as.default, strided=True)
 def expand_rule(call: OpCall) -> Sharding:
     """Kept dims keep their shards; a broadcast size-1 dim must be whole (its shard is 1 or 0 long)."""
     spec, sizes = call.specs[0], call.args[1]
@@ -154,7 +165,7 @@ def _complex_partials(placements: Placements) -> Placements:
     return tuple(Replicate() if isinstance(p, Partial) and p.reduce_op in ("max", "min") else p for p in placements)
 
 
-@register(aten.view_as_complex.default, aten.view_as_real.default)
+@register(aten.view_as_complex.default, aten.view_as_real.default, strided=True)
 def complex_view_rule(call: OpCall) -> Sharding:
     """(..., D, 2) real <-> (..., D) complex: other shards stay; the pair dim must be whole."""
     spec = call.specs[0]
@@ -169,7 +180,7 @@ def complex_view_rule(call: OpCall) -> Sharding:
 MATERIALIZED = {aten._conj.default: aten.conj_physical.default, aten._neg_view.default: aten.neg.default}
 
 
-@register(*MATERIALIZED)
+@register(*MATERIALIZED, strided=True)
 def lazy_bit_rule(call: OpCall) -> Sharding:
     """conj/neg bit views (`freqs.conj()` in complex mul's backward): every placement stays.
 

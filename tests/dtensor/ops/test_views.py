@@ -27,7 +27,7 @@ from parallelisms.dtensor.ops.view_dims import (
     squeezed_dims,
     view_groups,
 )
-from parallelisms.dtensor.placements import local_shape_and_offset
+from parallelisms.dtensor.placements import _StridedShard, local_shape_and_offset
 from tests.dtensor.harness import MESHES, check_op, get_mesh, get_torch_mesh, to_torch_placements
 from tests.world import run_world
 
@@ -74,7 +74,8 @@ def test_propagate_keeps_aligned_shards_and_gathers_the_rest():
     assert propagate(view_groups((5, 6), (30,)), (S(0),), (2,)) == ((R,), (R,))
     assert propagate(view_groups((8, 6), (48,)), (S(0),), (4,)) == ((S(0),), (S(0),))
     assert propagate(view_groups((4, 6), (4, 2, 3)), (S(1),), (2,)) == ((S(1),), (S(1),))
-    assert propagate(view_groups((4, 6), (24,)), (S(1),), (2,)) == ((R,), (R,))  # inner dim of a flatten
+    # inner dim of a flatten: torch's strided shard of the flat dim (4 blocks of this rank's 3)
+    assert propagate(view_groups((4, 6), (24,)), (S(1),), (2,)) == ((S(1),), (_StridedShard(0, 4),))
     # attention heads: (B, T, H*D) <-> (B, T, H, D), S(2) on heads both ways
     assert propagate(view_groups((2, 4, 8), (2, 4, 4, 2)), (S(2), P), (2, 2)) == ((S(2), P), (S(2), P))
     assert propagate(view_groups((2, 4, 4, 2), (2, 4, 8)), (S(2),), (4,)) == ((S(2),), (S(2),))
@@ -96,9 +97,17 @@ def _random_view(rng: random.Random) -> tuple[list[int], list[int]]:
 
 
 def _shard_of(t: torch.Tensor, mesh_shape, coordinate, placements) -> torch.Tensor:
-    shape, offset = local_shape_and_offset(t.shape, mesh_shape, coordinate, placements)
-    for d, (size, start) in enumerate(zip(shape, offset)):
-        t = t.narrow(d, min(start, t.shape[d]), size)
+    """The shard at `coordinate`, split in mesh order as torch's DTensor does (its own `_split_tensor`
+    for `_StridedShard`, the oracle of the strided layouts the view rules make)."""
+    from torch.distributed.tensor import Shard as TorchShard
+    from torch.distributed.tensor.placement_types import _StridedShard as TorchStridedShard
+
+    for m, p in enumerate(placements):
+        if isinstance(p, Shard):
+            t = TorchShard(p.dim)._split_tensor(t, mesh_shape[m], with_padding=False)[0][coordinate[m]]
+        elif isinstance(p, _StridedShard):
+            torch_p = TorchStridedShard(p.dim, split_factor=p.split_factor)
+            t = torch_p._split_tensor(t, mesh_shape[m], with_padding=False)[0][coordinate[m]]
     return t
 
 
