@@ -9,6 +9,7 @@
 #                  checkpoint.enable it resumes from the latest committed checkpoint
 #   TORCH_CPP_LOG_LEVEL   torch's C++ log level (default ERROR; WARNING shows c10d's connection warnings)
 # Extra arguments override the config: ./run_train.sh --training.steps 20
+# --estimate: the dry run instead (python -m trainer.estimate, world size NGPU x NNODES): ./run_train.sh --estimate --device h100
 set -euo pipefail
 cd "$(dirname "$0")"
 for arg in "$@"; do  # every section and key with its type, default and doc; nothing is launched
@@ -52,6 +53,10 @@ export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-
 # c10d's C++ store client logs each broken connection as a warning with ~20 lines of C++ frames (81
 # lines when the node hosting the rendezvous goes away); trainer.launch says what went away in one line.
 export TORCH_CPP_LOG_LEVEL=${TORCH_CPP_LOG_LEVEL:-ERROR}
+if [[ " $* " == *" --estimate "* ]]; then  # the dry run (trainer.estimate): ./run_train.sh --estimate --device h100 [...]
+  args=(); for arg in "$@"; do [ "$arg" = "--estimate" ] || args+=("$arg"); done
+  NGPU=$NGPU exec python -m trainer.estimate --job.config_file "$CONFIG_FILE" "${args[@]}" --world_size $((NGPU * NNODES))
+fi
 NGPU=$NGPU NNODES=$NNODES LOG_RANK=$LOG_RANK python -m trainer.preflight --job.config_file "$CONFIG_FILE" "$@" || exit 1  # fail fast, before torchrun
 exec python -m trainer.launch --nproc_per_node="$NGPU" --nnodes="$NNODES" "${RDZV[@]}" --max-restarts "$MAX_RESTARTS" \
   --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \

@@ -210,7 +210,7 @@ def _check_pipeline(cfg: JobConfig) -> None:
     spec = get_schedule(p.pipeline_parallel_schedule)
     if p.pipeline_parallel_schedule_csv:
         raise NotImplementedError(
-            "parallelism.pipeline_parallel_schedule_csv: the trainer does not run CSV schedules yet; set it to \"\" "
+            'parallelism.pipeline_parallel_schedule_csv: the trainer does not run CSV schedules yet; set it to "" '
             "and pick a parallelism.pipeline_parallel_schedule"
         )
     not_yet = {

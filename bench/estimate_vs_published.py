@@ -1,0 +1,92 @@
+"""The dry-run estimator against torchtitan's published H100 figures (issue 21).
+
+`python bench/estimate_vs_published.py` runs `python -m trainer.estimate --json` once per row (one CPU
+process each, fake ranks) and prints our prediction beside the published tok/s per GPU and peak memory.
+The efficiency constants are trainer.devices' (one per device, not fitted per row). torchtitan's peak
+memory is the CUDA allocator's (reserved, fragmentation and cache included); ours is live tensor bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    config: str
+    world_size: int
+    overrides: tuple[str, ...]
+    tokens_per_s: float
+    memory_gib: float | None
+    note: str
+
+
+ROWS = (
+    Row("8B FSDP 8, lbs 2, selective AC", "llama3_8b", 8,
+        ("--parallelism.data_parallel_shard_degree", "8", "--training.local_batch_size", "2",
+         "--activation_checkpoint.mode", "selective"),
+        5762, 82.4, "eager bf16, as published"),
+    Row("70B FSDP 32 x TP 8, full AC", "llama3_70b", 256,
+        ("--parallelism.data_parallel_shard_degree", "32", "--parallelism.tensor_parallel_degree", "8",
+         "--training.local_batch_size", "16", "--activation_checkpoint.mode", "full"),
+        597, None, "published with torch.compile (bf16); predicted eager bf16; local batch 16 assumed"),
+    Row("405B FSDP 8 x TP 8 x PP 8, 1F1B, lbs 32", "llama3_405b", 512,
+        ("--parallelism.data_parallel_shard_degree", "8", "--parallelism.tensor_parallel_degree", "8",
+         "--parallelism.pipeline_parallel_degree", "8", "--parallelism.pipeline_parallel_schedule", "1F1B",
+         "--training.local_batch_size", "32"),
+        100, 82.5, "published with compile + float8; needs PP"),
+    Row("405B FSDP 8 x TP 8 x PP 8, Interleaved 1F1B, lbs 32", "llama3_405b", 512,
+        ("--parallelism.data_parallel_shard_degree", "8", "--parallelism.tensor_parallel_degree", "8",
+         "--parallelism.pipeline_parallel_degree", "8", "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
+         "--training.local_batch_size", "32"),
+        128, 72.7, "published with compile + float8; needs PP"),
+)  # fmt: skip
+
+
+def predict(row: Row) -> tuple[dict | None, str, float]:
+    """The estimator's JSON for the row (None and its one-line refusal when it refuses), and the seconds it took."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    command = [
+        sys.executable, "-m", "trainer.estimate", "--job.config_file", str(REPO / "configs" / f"{row.config}.toml"),
+        "--model.tokenizer_path", "", *row.overrides, "--world_size", str(row.world_size), "--device", "h100", "--json",
+    ]  # fmt: skip
+    start = time.perf_counter()
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
+    seconds = time.perf_counter() - start
+    if done.returncode != 0:
+        return None, done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "failed", seconds
+    return json.loads(done.stdout), "", seconds
+
+
+def main() -> int:
+    columns = ("row", "published tok/s", "predicted tok/s", "ratio", "published GiB", "predicted GiB", "ratio", "mfu",
+               "est s", "note")  # fmt: skip
+    print("| " + " | ".join(columns) + " |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for row in ROWS:
+        report, refusal, seconds = predict(row)
+        if report is None:
+            mem = f"{row.memory_gib}" if row.memory_gib else "-"
+            print(f"| {row.name} | {row.tokens_per_s:,.0f} | refused | - | {mem} | - | - | - | {seconds:.0f} | "
+                  f"{row.note}: {refusal} |")  # fmt: skip
+            continue
+        tps, peak = report["tokens_per_s_per_device"], report["ranks"][0]["memory_bytes"]["peak"] / GIB
+        mem_pub = f"{row.memory_gib}" if row.memory_gib else "-"
+        mem_ratio = f"{peak / row.memory_gib:.2f}" if row.memory_gib else "-"
+        print(f"| {row.name} | {row.tokens_per_s:,.0f} | {tps:,.0f} | {tps / row.tokens_per_s:.2f} | {mem_pub} | "
+              f"{peak:.1f} | {mem_ratio} | {report['mfu']:.1%} | {seconds:.0f} | {row.note} |")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

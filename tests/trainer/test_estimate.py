@@ -1,0 +1,194 @@
+"""The dry-run estimator (trainer.estimate): exact sharded bytes for the production configs, the fake step
+against real gloo runs of the debug model (peak live tensor bytes, collectives), the CLI's JSON contract
+and its one-line refusals."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.world import run_world
+
+REPO = Path(__file__).resolve().parents[2]
+CONTRACT = {
+    "world_size",
+    "device",
+    "layout",
+    "ranks",
+    "flops_per_step",
+    "step_time_s",
+    "tokens_per_s_per_device",
+    "mfu",
+}
+RANK_KEYS = {"role", "ranks", "memory_bytes", "collectives"}
+MEMORY_KEYS = {"params", "grads", "optimizer", "activations", "temporaries", "comm_buffers", "peak"}
+LAYOUT_KEYS = {"dp_replicate", "dp_shard", "cp", "tp", "pp"}
+
+
+def run_estimate(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    """`python -m trainer.estimate ARGS` in a fresh interpreter (the fake world must not leak into pytest's)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    command = [sys.executable, "-m", "trainer.estimate", *args]
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def estimate_json(config: str, world_size: int, *overrides: str, device: str = "cpu") -> dict[str, Any]:
+    done = run_estimate("--job.config_file", str(REPO / "configs" / f"{config}.toml"), "--model.tokenizer_path", "",
+                        *overrides, "--world_size", str(world_size), "--device", device, "--json")  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+# ------------------------------------------------------------------------ exact sharded bytes
+def analytic_local_numel(config: str, dp_shard: int, tp: int) -> tuple[int, int]:
+    """(rank 0's parameter elements, parameter tensors) from the sharding plan alone: TP shards colwise
+    weights on dim 0, rowwise ones (wo, w2) on dim 1, the embedding on dim 0 (vocabulary), norms not; FSDP
+    then chunks dim 0 of what TP left over dp_shard, rank 0 taking the first (largest) chunk."""
+    import dataclasses
+
+    import torch
+
+    from models.llama3 import llama3_configs
+    from models.llama3.model import Transformer
+    from trainer.config import load_config
+
+    cfg = load_config(["--job.config_file", str(REPO / "configs" / f"{config}.toml"), "--model.tokenizer_path", ""])
+    args = dataclasses.replace(llama3_configs[cfg.model.flavor], vocab_size=cfg.model.vocab_size,
+                               max_seq_len=cfg.training.seq_len)  # fmt: skip
+    with torch.device("meta"):
+        model = Transformer(args)
+    total, tensors = 0, 0
+    for name, p in model.named_parameters():
+        rows, cols = (p.shape[0], math.prod(p.shape[1:])) if p.ndim > 1 else (p.shape[0], 1)
+        if name.endswith(("wo.weight", "w2.weight")):
+            cols //= tp
+        elif p.ndim > 1:  # colwise linears, the output and the embedding: dim 0
+            rows //= tp
+        total += math.ceil(rows / dp_shard) * cols
+        tensors += 1
+    return total, tensors
+
+
+@pytest.mark.parametrize(("config", "world_size"), [("llama3_8b", 8), ("llama3_70b", 64), ("llama3_405b", 512)])
+def test_sharded_param_grad_optimizer_bytes_equal_the_analytic_figures(config: str, world_size: int) -> None:
+    report = estimate_json(config, world_size, device="h100")
+    layout = report["layout"]
+    numel, tensors = analytic_local_numel(config, layout["dp_shard"], layout["tp"])
+    steady = report["ranks"][0]["steady_bytes"]
+    assert steady["params"] == 4 * numel  # float32 master weights
+    assert steady["grads"] == 4 * numel  # float32 gradients, sharded as the parameters
+    assert steady["optimizer"] == 2 * 4 * numel + 4 * tensors  # AdamW's exp_avg, exp_avg_sq and a 0-d step each
+    flavor_params = {"llama3_8b": 8_030_261_248, "llama3_70b": 70_553_706_496, "llama3_405b": 405_853_388_800}
+    even = 4 * flavor_params[config] / (layout["dp_shard"] * layout["tp"])
+    assert abs(steady["params"] - even) / even < 0.01  # params x bytes / (dp_shard x tp), up to uneven chunks
+
+
+# ------------------------------------------------------------------------ against real gloo runs
+LAYOUTS = {  # name -> (world size, overrides)
+    "fsdp2": (2, []),
+    "tp2": (2, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.tensor_parallel_degree", "2"]),
+    "fsdp2_tp2": (4, ["--parallelism.tensor_parallel_degree", "2"]),
+    "ddp2": (2, ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]),
+    "hsdp2x2": (4, ["--parallelism.data_parallel_replicate_degree", "2"]),
+}
+
+
+def real_step(overrides: list[str]) -> dict[str, Any]:
+    """On every rank of a gloo world: the debug model's real step under the estimator's accounting."""
+    import torch
+    import torch.distributed as dist
+
+    from trainer.config import load_config
+    from trainer.estimate_step import trace_step
+    from trainer.runtime import build_runtime
+    from trainer.train import build_parallel_dims
+
+    cfg = load_config(["--job.config_file", str(REPO / "configs" / "debug_model.toml"), *overrides])
+    dims = build_parallel_dims(cfg.parallelism, dist.get_world_size())
+    runtime = build_runtime(cfg, dims, dims.build_mesh("cpu"), torch.device("cpu"))
+    trace = trace_step(cfg, runtime, fake=False)
+    return {
+        "peak": trace.memory.peak, "counts": trace.comm_counts, "bytes": trace.comm_bytes,
+        "collectives": sorted((c.kind, c.mesh_dim, c.count, c.bytes) for c in trace.collectives),
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_estimated_peak_and_collectives_match_a_real_gloo_run(layout: str) -> None:
+    world_size, overrides = LAYOUTS[layout]
+    real = run_world(real_step, world_size, overrides)[0]
+    estimate = estimate_json("debug_model", world_size, *overrides)
+    rank = estimate["ranks"][0]
+    peak = rank["memory_bytes"]["peak"]
+    print(f"{layout}: estimated peak {peak:,} B, measured {real['peak']:,} B ({peak / real['peak'] - 1:+.2%})")
+    assert abs(peak - real["peak"]) <= 0.10 * real["peak"]
+    estimated = sorted((c["kind"], c["mesh_dim"], c["count"], c["bytes"]) for c in rank["collectives"])
+    assert estimated == real["collectives"]
+    by_kind: dict[str, list[int]] = {}
+    for kind, _, count, nbytes in estimated:
+        by_kind.setdefault(kind, [0, 0])
+        by_kind[kind][0] += count
+        by_kind[kind][1] += nbytes
+    assert by_kind == {k: [real["counts"][k], real["bytes"][k]] for k in real["counts"]}  # CommDebugMode's totals
+
+
+# ------------------------------------------------------------------------ the CLI
+def test_json_has_every_key_of_the_contract() -> None:
+    report = estimate_json("debug_model", 4, "--parallelism.tensor_parallel_degree", "2", device="h100")
+    assert CONTRACT <= report.keys()
+    assert LAYOUT_KEYS == report["layout"].keys()
+    rank = report["ranks"][0]
+    assert RANK_KEYS <= rank.keys() and MEMORY_KEYS <= rank["memory_bytes"].keys()
+    assert all({"kind", "mesh_dim", "count", "bytes"} == c.keys() for c in rank["collectives"])
+    assert report["layout"] == {"dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 2, "pp": 1}
+    assert {c["mesh_dim"] for c in rank["collectives"]} >= {"dp_shard", "tp"}
+    assert report["step_time_s"] > 0 and 0 < report["mfu"] < 1
+
+
+def test_pipeline_layout_is_refused_in_one_line() -> None:
+    done = run_estimate("--parallelism.pipeline_parallel_degree", "2", "--world_size", "2", "--device", "h100")
+    assert done.returncode == 2
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "pipeline_parallel_degree=2" in done.stderr and "PP and CP do not exist yet" in done.stderr
+
+
+def test_degrees_that_do_not_multiply_to_the_world_and_unknown_devices_fail_with_the_arithmetic() -> None:
+    done = run_estimate("--parallelism.tensor_parallel_degree", "3", "--world_size", "8", "--device", "h100")
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "8" in done.stderr and "3" in done.stderr
+    done = run_estimate("--world_size", "8", "--device", "tpu")
+    assert done.returncode == 2 and "expected one of" in done.stderr
+
+
+def test_search_ranks_fitting_layouts_best_first_with_their_overrides() -> None:
+    done = run_estimate("--world_size", "2", "--device", "h100", "--search", "--json", "--top", "20")
+    assert done.returncode == 0, done.stderr[-3000:]
+    candidates = json.loads(done.stdout)["candidates"]
+    layouts = {(c["layout"]["dp_replicate"], c["layout"]["dp_shard"], c["layout"]["tp"]) for c in candidates}
+    assert layouts == {(1, 2, 1), (2, 1, 1), (1, 1, 2)}  # FSDP, DDP and TP on 2 ranks
+    throughput = [c["tokens_per_s_per_device"] for c in candidates]
+    assert throughput == sorted(throughput, reverse=True)
+    for c in candidates:
+        assert CONTRACT <= c.keys() and "--parallelism.tensor_parallel_degree" in c["overrides"]
+        assert c["ranks"][0]["memory_bytes"]["peak"] <= 0.9 * 80 * 2**30
+
+
+def test_mesh_dims_are_priced_on_the_network_only_when_their_groups_span_nodes() -> None:
+    from parallelisms.parallel_dims import ParallelDims
+    from trainer.estimate_time import dim_extent, spans_nodes
+
+    dims = ParallelDims(dp_replicate=2, dp_shard=32, cp=1, tp=8, pp=1, world_size=512)
+    assert dim_extent(dims, "tp") == (8, 1) and dim_extent(dims, "dp_shard") == (32, 8)
+    assert dim_extent(dims, "dp") == (64, 8) and dim_extent(dims, "dp_replicate") == (2, 256)
+    assert not spans_nodes(dims, "tp", 8)
+    assert all(spans_nodes(dims, name, 8) for name in ("dp_shard", "dp_replicate", "dp", "world"))
+    fsdp_in_node = ParallelDims(dp_replicate=4, dp_shard=2, cp=1, tp=4, pp=1, world_size=32)
+    assert not spans_nodes(fsdp_in_node, "dp_shard", 8) and spans_nodes(fsdp_in_node, "dp_replicate", 8)

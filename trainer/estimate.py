@@ -1,0 +1,205 @@
+"""The dry run: `python -m trainer.estimate --job.config_file F [--section.key value ...] --world_size N
+--device {a100,h100,h200,b200,cpu} [--search] [--json]` (also `./run_train.sh --estimate`).
+
+In one CPU process, with no GPU: a fake process group of N ranks; rank 0 builds the model on meta with
+the trainer's own recipe under the config's degrees and runs one training step on fake tensors
+(trainer.estimate_step). Without PP every rank has the same role, so rank 0 represents them all. It
+reports memory per rank by category and its peak (trainer.estimate_memory), the collectives by kind and
+mesh dim, the FLOPs, and a step time, tok/s per device and MFU (trainer.estimate_time on the tables of
+trainer.devices). `--json` prints DESIGN.md §7's object; `--search` ranks layouts (trainer.estimate_search).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from parallelisms.parallel_dims import ParallelDims
+
+from .config import load_config
+from .devices import GIB, Device, gpus_per_node, lookup_device
+from .estimate_step import StepTrace, trace_step_sampled
+from .estimate_time import StepTime, collective_seconds, price_step
+from .job_config import JobConfig
+from .preflight import check_config
+from .runtime import build_runtime, resolve_precision
+from .train import build_parallel_dims
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """One layout's prediction for one role (all ranks, without PP)."""
+
+    world_size: int
+    device: Device
+    dims: ParallelDims
+    trace: StepTrace
+    time: StepTime
+    ac_mode: str
+    local_batch_size: int
+
+    @property
+    def tokens_per_s_per_device(self) -> float:
+        return self.trace.local_tokens / self.time.step_s / self.dims.non_data_parallel_size
+
+    @property
+    def mfu(self) -> float:
+        return self.tokens_per_s_per_device * self.trace.flops_per_token / (self.device.peak_tflops * 1e12)
+
+    def as_json(self) -> dict[str, Any]:
+        """DESIGN.md §7's object (extra keys beside the contract's: detail, never in place of it)."""
+        d, m = self.dims, self.trace.memory
+        model_flops = self.trace.flops_per_token * self.trace.local_tokens / d.non_data_parallel_size
+        return {
+            "world_size": self.world_size,
+            "device": self.device.name,
+            "layout": {"dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "cp": d.cp, "tp": d.tp, "pp": d.pp},
+            "ranks": [
+                {
+                    "role": "all",
+                    "ranks": [0, self.world_size - 1],  # every rank: [first, last]
+                    "memory_bytes": m.as_dict(),
+                    "peak_where": m.peak_where,
+                    "steady_bytes": m.steady,
+                    "collectives": [dataclasses.asdict(c) for c in self.trace.collectives],
+                    "executed_flops_per_step": self.trace.executed_flops,
+                }
+            ],  # fmt: skip
+            "flops_per_step": model_flops,  # model FLOPs (6N + 12 L d T per token) per device
+            "step_time_s": self.time.step_s,
+            "compute_s": self.time.compute_s,
+            "exposed_comm_s": self.time.exposed_s,
+            "tokens_per_s_per_device": self.tokens_per_s_per_device,
+            "mfu": self.mfu,
+            "activation_checkpoint": self.ac_mode,
+            "local_batch_size": self.local_batch_size,
+        }
+
+
+def refuse_unbuilt(dims: ParallelDims) -> None:
+    """PP and CP do not exist yet: refuse them in one line."""
+    if dims.pp > 1 or dims.cp > 1:
+        raise NotImplementedError(
+            f"pipeline_parallel_degree={dims.pp}, context_parallel_degree={dims.cp}: the estimator covers the "
+            f"layouts meshtrain trains (FSDP/HSDP, DDP, TP/SP); PP and CP do not exist yet, set both to 1"
+        )
+
+
+def init_fake_world(world_size: int) -> None:
+    """A fake process group of `world_size` ranks, this process rank 0 (kept if one exists at that size)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        if dist.get_world_size() != world_size:
+            raise RuntimeError(
+                f"a process group of {dist.get_world_size()} ranks exists; the estimate needs {world_size}"
+            )
+        return
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+
+
+def estimate(cfg: JobConfig, world_size: int, device: Device, *, nodes_of: int | None = None) -> Estimate:
+    """One layout: the config's degrees on `world_size` ranks of `device` (NGPU per node unless `nodes_of`)."""
+    check_config(cfg, world_size)
+    dims = build_parallel_dims(cfg.parallelism, world_size)
+    refuse_unbuilt(dims)
+    init_fake_world(world_size)
+    mesh = dims.build_mesh("cpu")
+    runtime = build_runtime(cfg, dims, mesh, torch.device("cpu"))  # the tensors: fake, on the CPU
+    precision = resolve_precision(cfg, torch.device("cpu" if device.name == "cpu" else "cuda"), dims)
+    runtime = dataclasses.replace(runtime, precision=precision)  # the dtypes: the target device's
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fake tensors' data_ptr deprecation, from code that caches by pointer
+        trace = trace_step_sampled(cfg, runtime)
+    time = price_step(trace, dims, device, nodes_of or gpus_per_node())
+    return Estimate(
+        world_size, device, dims, trace, time, cfg.activation_checkpoint.mode, cfg.training.local_batch_size
+    )
+
+
+# ------------------------------------------------------------------------------------------ output
+def _gib(n: float) -> str:
+    return f"{n / GIB:8.2f} GiB"
+
+
+def format_table(e: Estimate, cfg: JobConfig, *, margin: float) -> str:
+    d, m, t = e.dims, e.trace.memory, e.time
+    lines = [
+        f"estimate: {cfg.model.name} {cfg.model.flavor} on {e.world_size} x {e.device.name} "
+        f"({gpus_per_node()} per node) | "
+        f"dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} x tp {d.tp} (cp {d.cp}, pp {d.pp}) | "
+        f"AC {e.ac_mode} | local batch {e.local_batch_size} x {cfg.training.seq_len}",
+        f"memory per rank at the peak ({m.peak_where}):",
+    ]
+    lines += [f"  {name:<17}{_gib(nbytes)}" for name, nbytes in m.at_peak.items()]
+    budget = e.device.memory_bytes * (1 - margin)
+    verdict = "fits" if m.peak <= budget else "does NOT fit"
+    lines.append(f"  {'peak':<17}{_gib(m.peak)}  of {e.device.memory_bytes / GIB:.1f} GiB: {verdict} "
+                 f"with a {margin:.0%} margin (tensor bytes; the allocator's cache comes on top)")  # fmt: skip
+    lines.append("  steady (after the step): " + ", ".join(f"{k} {v / GIB:.2f} GiB" for k, v in m.steady.items()))
+    lines.append("collectives per rank per step:")
+    lines.append(f"  {'kind':<24}{'mesh dim':<14}{'count':>7}{'bytes':>16}{'seconds':>10}  link")
+    for c in e.trace.collectives:
+        link = "network" if e.time.inter_node.get(c.mesh_dim) else "nvlink"
+        secs = collective_seconds(c, d, e.device, gpus_per_node())
+        lines.append(f"  {c.kind:<24}{c.mesh_dim:<14}{c.count:>7}{c.bytes:>16,}{secs:>10.4f}  {link}")
+    model = e.trace.flops_per_token * e.trace.local_tokens / d.non_data_parallel_size
+    executed = e.trace.executed_flops / 1e12
+    lines.append(f"flops per device per step: model {model / 1e12:,.1f} TFLOP, executed {executed:,.1f} TFLOP "
+                 f"(recomputation included)")  # fmt: skip
+    exposed = ", ".join(f"{k} {v:.3f}s" for k, v in t.exposed_s.items()) or "none"
+    lines.append(f"step time {t.step_s:.3f}s = compute {t.compute_s:.3f}s (at {e.device.efficiency:.0%} of "
+                 f"{e.device.peak_tflops:g} TFLOPS) + exposed comm ({exposed})")  # fmt: skip
+    lines.append(f"tok/s per device {e.tokens_per_s_per_device:,.0f} | mfu {e.mfu:.1%}")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------ CLI
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(prog="python -m trainer.estimate", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world_size", type=int, required=True, help="ranks of the job (NGPU x NNODES)")
+    parser.add_argument("--device", required=True, help="a100, h100, h200, b200 or cpu")
+    parser.add_argument("--search", action="store_true", help="rank layouts for this model and world size")
+    parser.add_argument("--json", action="store_true", help="print DESIGN.md §7's JSON object")
+    parser.add_argument("--memory_margin", type=float, default=0.1, help="device memory kept free (fraction)")
+    parser.add_argument("--top", type=int, default=5, help="--search: how many layouts to print")
+    return parser.parse_known_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("trainer.estimate_search").setLevel(logging.INFO)  # --search's progress, on stderr
+    try:
+        device = lookup_device(args.device)
+        if args.world_size < 1:
+            raise ValueError(f"--world_size {args.world_size}: expected a positive number of ranks")
+        cfg = load_config(overrides)
+        if args.search:
+            from .estimate_search import format_candidates, search
+
+            found = search(cfg, args.world_size, device, margin=args.memory_margin, argv=overrides)[: args.top]
+            print(json.dumps({"candidates": [{**e.as_json(), "overrides": o} for e, o in found]}, indent=2)
+                  if args.json else format_candidates(found, cfg, margin=args.memory_margin))  # fmt: skip
+            return 0
+        result = estimate(cfg, args.world_size, device)
+    except (ValueError, NotImplementedError, TypeError) as error:
+        print(f"estimate: {error}", file=sys.stderr)
+        return 2
+    print(json.dumps(result.as_json(), indent=2) if args.json else format_table(result, cfg, margin=args.memory_margin))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

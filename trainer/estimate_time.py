@@ -1,0 +1,92 @@
+"""The step-time model: compute at the device's efficiency plus the exposed part of each mesh dim's traffic.
+
+    step_s  = compute_s + sum over mesh dims of exposed_s(dim)
+    compute_s = executed FLOPs of the rank / (peak x efficiency)                       (trainer.devices)
+    comm_s(dim) = sum over its collectives of count x α + bytes sent / β               (α–β, as dtensor.cost)
+
+β and α are the device's NVLink figures when every group of the dim lies inside one node (NGPU ranks in a
+row, the mesh order pp, dp_replicate, dp_shard, cp, tp putting tp innermost), else its network's. Bytes
+sent per rank follow the ring volumes of parallelisms.dtensor.cost.RING_VOLUME, from the payload the
+rank hands the collective (an all-gather's payload is its shard, so it sends (n-1) x payload).
+
+Exposure: tensor- and context-parallel collectives sit on the critical path (no async TP): fully exposed.
+Data-parallel traffic (FSDP's all-gathers and reduce-scatters, HSDP's and DDP's all-reduces) overlaps the
+layers' compute, prefetched one layer ahead: exposed is what exceeds the compute, and at least the one
+layer's worth that cannot overlap (the first all-gather, the last reduce-scatter).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from parallelisms.parallel_dims import FLATTENED, MESH_ORDER, ParallelDims
+
+from .devices import Device
+from .estimate_step import Collective, StepTrace
+
+OVERLAPPED = frozenset({"dp_replicate", "dp_shard", *FLATTENED})  # data-parallel dims: hidden behind compute
+
+
+def _volume(kind: str, payload: float, n: int) -> float:
+    """Bytes one rank sends for a collective on a group of n, from the payload it handed it."""
+    if n <= 1:
+        return 0.0
+    if kind.startswith("all_gather"):
+        return payload * (n - 1)
+    if kind.startswith("reduce_scatter") or kind.startswith("all_to_all"):
+        return payload * (n - 1) / n
+    if kind.startswith("all_reduce"):
+        return 2 * payload * (n - 1) / n
+    return payload  # broadcast, scatter, gather, reduce: once
+
+
+def dim_extent(dims: ParallelDims, name: str) -> tuple[int, int]:
+    """(group size, stride between its ranks) of a mesh dim or flattened dim, in the mesh order."""
+    parts = FLATTENED.get(name, (name,)) if name != "world" else MESH_ORDER
+    size = math.prod(getattr(dims, d) for d in parts)
+    last = MESH_ORDER.index(parts[-1])
+    stride = math.prod(getattr(dims, d) for d in MESH_ORDER[last + 1 :])
+    return size, stride
+
+
+def spans_nodes(dims: ParallelDims, name: str, gpus_per_node: int) -> bool:
+    """Whether a group of the dim holds ranks of two or more nodes (blocks of `gpus_per_node` ranks)."""
+    size, stride = dim_extent(dims, name)
+    return size > 1 and size * stride > gpus_per_node
+
+
+@dataclass(frozen=True)
+class StepTime:
+    compute_s: float
+    comm_s: dict[str, float]  # per mesh dim, the whole traffic
+    exposed_s: dict[str, float]  # per mesh dim, the part on the critical path
+    inter_node: dict[str, bool]  # per mesh dim, whether it is priced on the network
+    step_s: float
+
+
+def collective_seconds(c: Collective, dims: ParallelDims, device: Device, gpus_per_node: int) -> float:
+    """count x α + bytes sent / β of one row of the trace (a group not of the mesh is priced as the world)."""
+    name = c.mesh_dim if c.mesh_dim in (*MESH_ORDER, *FLATTENED) else "world"
+    size, _ = dim_extent(dims, name)
+    link = device.inter_node if spans_nodes(dims, name, gpus_per_node) else device.intra_node
+    if size <= 1:
+        return 0.0
+    return c.count * link.latency_s + _volume(c.kind, c.bytes, size) / link.bandwidth_bytes_per_s
+
+
+def price_step(trace: StepTrace, dims: ParallelDims, device: Device, gpus_per_node: int) -> StepTime:
+    """The step time of `trace` on `device` (see the module docstring)."""
+    compute_s = trace.executed_flops / (device.peak_tflops * 1e12 * device.efficiency)
+    comm: dict[str, float] = {}
+    for c in trace.collectives:
+        comm[c.mesh_dim] = comm.get(c.mesh_dim, 0.0) + collective_seconds(c, dims, device, gpus_per_node)
+    exposed = {}
+    for dim, seconds in comm.items():
+        if dim in OVERLAPPED:
+            exposed[dim] = max(seconds - compute_s, seconds / max(trace.n_layers, 1))
+        else:
+            exposed[dim] = seconds
+    known = (*MESH_ORDER, *FLATTENED)
+    inter = {dim: spans_nodes(dims, dim if dim in known else "world", gpus_per_node) for dim in comm}
+    return StepTime(compute_s, comm, exposed, inter, compute_s + sum(exposed.values()))
