@@ -134,7 +134,8 @@ _UNAVAILABLE: list[tuple[str, Callable[[Any], bool], str]] = [
     ("experimental.custom_args_module", bool, "meshtrain has no config extension modules; remove it"),
     ("metrics.enable_wandb", bool, "Weights & Biases is not available here; use metrics.enable_tensorboard=true"),
     ("fault_tolerance.enable", bool, "torchft is not available here; use MAX_RESTARTS=N with checkpoint.enable"),
-    ("memory_estimation.enable", bool, "the dry-run memory estimator does not exist yet; set it to false"),
+    ("memory_estimation.enable", bool, "the dry run is its own command: ./run_train.sh --estimate (python -m "
+     "trainer.estimate); set it to false"),
     ("optimizer.early_step_in_backward", bool, "the optimizer steps after the backward only; set it to false"),
     ("training.enable_cpu_offload", bool, "FSDP CPU offload is not implemented; set it to false"),
     ("training.debug_moe_force_load_balance", bool, "the llama3 models have no MoE layers; set it to false"),
