@@ -113,6 +113,17 @@ def _schedule_warnings(cfg: JobConfig) -> list[str]:
 def _feature_warnings(cfg: JobConfig) -> list[str]:
     """Keys whose effect is only speed, set where they cannot act: the job runs, and says so."""
     p, warnings = cfg.parallelism, []
+    if p.pipeline_parallel_degree > 1 and p.pipeline_parallel_microbatch_size >= 1:
+        from parallelisms.pipeline_parallel import get_schedule  # pure Python
+
+        stages = p.pipeline_parallel_degree * (1 if get_schedule(p.pipeline_parallel_schedule).single_stage else 2)
+        m = cfg.training.local_batch_size // p.pipeline_parallel_microbatch_size
+        if m < stages:
+            warnings.append(
+                f"{m} pipeline microbatches (training.local_batch_size / "
+                f"parallelism.pipeline_parallel_microbatch_size) for {stages} stages: the pipeline never fills, its bubble is (stages - 1) / (m + stages - 1) = "
+                f"{(stages - 1) / (m + stages - 1):.0%}; raise the local batch or lower the microbatch size"
+            )
     if p.enable_async_tensor_parallel and p.tensor_parallel_degree > 1:
         warnings.append(
             "parallelism.enable_async_tensor_parallel=true has no effect here: TP runs its collectives "

@@ -39,8 +39,10 @@ def one_process(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
         (4, ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "2"]),  # PP(2) x FSDP(2)
         (4, [*PP2, "--parallelism.tensor_parallel_degree", "2"]),  # PP(2) x TP(2), loss parallel on the last stage
         (2, [*PP2, "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]),  # split backward, V placement
+        (8, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2",
+             "--training.local_batch_size", "2"]),  # PP(2) x FSDP(2) x TP(2)
     ],
-    ids=["pp2_1f1b", "pp2_interleaved", "pp2_gpipe_mb2", "pp2_fsdp2", "pp2_tp2", "pp2_zbv"],
+    ids=["pp2_1f1b", "pp2_interleaved", "pp2_gpipe_mb2", "pp2_fsdp2", "pp2_tp2", "pp2_zbv", "pp2_fsdp2_tp2"],
 )  # fmt: skip
 def test_pipelined_training_follows_one_process(
     tmp_path: Path, one_process: list[float], world: int, layout: list[str]
@@ -139,3 +141,9 @@ def test_tied_embeddings_across_the_first_and_last_stage_train_like_one_process(
     shutil.copytree(tmp_path / "pp" / "checkpoint" / "step-2", tmp_path / "resumed" / "checkpoint" / "step-2")
     resumed = _losses(run_world(_train_tied_rank, 1, [*job, "--job.dump_folder", str(tmp_path / "resumed")])[0])
     assert resumed == pytest.approx(pp[2:], abs=2e-4), (pp, resumed)
+
+
+def test_fewer_microbatches_than_stages_is_warned_with_the_bubble() -> None:
+    cfg = load_config([*JOB, *PP2, "--training.local_batch_size", "1", "--training.global_batch_size", "-1"])
+    warnings = check_config(cfg, world_size=2)
+    assert any("1 pipeline microbatches" in w and "for 2 stages" in w and "= 50%" in w for w in warnings), warnings
