@@ -121,8 +121,9 @@ def _feature_warnings(cfg: JobConfig) -> list[str]:
         if m < stages:
             warnings.append(
                 f"{m} pipeline microbatches (training.local_batch_size / "
-                f"parallelism.pipeline_parallel_microbatch_size) for {stages} stages: the pipeline never fills, its bubble is (stages - 1) / (m + stages - 1) = "
-                f"{(stages - 1) / (m + stages - 1):.0%}; raise the local batch or lower the microbatch size"
+                f"parallelism.pipeline_parallel_microbatch_size) for {stages} stages: the pipeline never fills, "
+                f"its bubble is (stages - 1) / (m + stages - 1) = {(stages - 1) / (m + stages - 1):.0%}; raise the "
+                f"local batch or lower the microbatch size"
             )
     if p.enable_async_tensor_parallel and p.tensor_parallel_degree > 1:
         warnings.append(
