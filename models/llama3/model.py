@@ -195,4 +195,3 @@ class Transformer(nn.Module):
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h  # (B, T, V)   S(-1) under loss parallelism
-

@@ -75,7 +75,6 @@ def _check_supported(parallel_dims: ParallelDims) -> None:
         )
 
 
-
 def compile_supported(tp_degree: int) -> bool:
     """Whether the blocks can be compiled. torch.compile cannot trace our DTensor, and TP makes every
     block parameter and activation one: with fullgraph=True dynamo stops at the first

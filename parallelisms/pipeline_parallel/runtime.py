@@ -203,9 +203,7 @@ class PipelineSchedule:
         else:
             acts.output = out
 
-    def _backward(
-        self, stage: PipelineStage, m: int, live: dict, recvs: dict, *, weights: bool
-    ) -> torch.Tensor | None:
+    def _backward(self, stage: PipelineStage, m: int, live: dict, recvs: dict, *, weights: bool) -> torch.Tensor | None:
         """Stage s's backward of microbatch m: B (input and weight gradients) or, without `weights`, I (the
         input's gradient only, keeping the graph for W). Returns the loss on the last stage."""
         s = stage.stage_index
