@@ -47,8 +47,8 @@ def _type_name(tp: Any) -> str:
 
 
 def _default(f: dataclasses.Field) -> Any:
-    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-        return f.default_factory()  # type: ignore[misc]
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
     return f.default
 
 

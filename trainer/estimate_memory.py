@@ -140,7 +140,7 @@ class LiveBytes(TorchDispatchMode):
         return t
 
     # ------------------------------------------------------------------------------ dispatch
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(_defers_to_subclass(t) for t in types):
             return NotImplemented
         kwargs = kwargs or {}
@@ -206,7 +206,7 @@ def track_live_bytes() -> Iterator[LiveBytes]:
         mode.resized(storage)
         return result
 
-    torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+    torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign, assignment]
     try:
         with mode, torch.autograd.graph.saved_tensors_hooks(mode.saved, lambda t: t):
             yield mode

@@ -55,7 +55,7 @@ def search(
 ) -> list[tuple[Estimate, list[str]]]:
     """Every fitting candidate with the overrides that run it, best tok/s per device first. `argv`: the
     config's own command line (the candidates' overrides go after it); the default rebuilds it from `cfg`."""
-    base = argv if argv is not None else ["--job.config_file", cfg.job.config_file]
+    base = argv if argv is not None else ["--job.config_file", cfg.job.config_file or ""]
     budget = device.memory_bytes * (1 - margin)
     batch = global_batch(cfg, world_size)
     found: list[tuple[Estimate, list[str]]] = []

@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_leaves
 
 from models.llama3 import TransformerModelArgs, llama3_configs
 from models.llama3.parallelize import parallelize_llama
+from parallelisms.activation_checkpoint import ACMode
 from parallelisms.dtensor import DeviceMesh, DTensor
 from parallelisms.dtensor.debug import _COLLECTIVES, CommDebugMode, _defers_to_subclass, _nbytes
 from parallelisms.fsdp import MixedPrecisionPolicy
@@ -109,7 +110,7 @@ class MeshCommDebugMode(CommDebugMode):
         self.groups = groups
         self.by_dim: defaultdict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         entry = None if any(_defers_to_subclass(t) for t in types) else _COLLECTIVES.get(func._overloadpacket)
         if entry is not None:
             key, payload = entry
@@ -140,7 +141,7 @@ class RealTensorsStayReal(TorchDispatchMode):
     would make its data-dependent output unknowable. Factories, ops on fake tensors and ops on meta tensors (a
     meta-built DTensor's shards becoming fake ones in `to_empty`) go on to the fake mode."""
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(_defers_to_subclass(t) for t in types):
             return NotImplemented
         kwargs = kwargs or {}
@@ -157,7 +158,8 @@ def _parallelize(cfg: JobConfig, runtime: Runtime, model: torch.nn.Module) -> No
     ac, p = cfg.activation_checkpoint, cfg.parallelism
     parallelize_llama(
         model, runtime.parallel_dims, runtime.world_mesh, loss_parallel=runtime.loss_parallel,
-        ac_mode=ac.mode, ac_selective_option=ac.selective_ac_option, ac_early_stop=ac.early_stop, mp_policy=mp_policy,
+        ac_mode=cast(ACMode, ac.mode), ac_selective_option=ac.selective_ac_option, ac_early_stop=ac.early_stop,
+        mp_policy=mp_policy,
         reshard_after_forward=p.fsdp_reshard_after_forward != "never",
     )  # fmt: skip
 
@@ -206,15 +208,15 @@ def trace_step(
     training = cfg.training
     global_batch = training.global_batch_size if training.global_batch_size > 0 else 0
     n_micro = accumulation_steps(global_batch, training.local_batch_size, runtime.dp_size) if global_batch else 1
-    torch.manual_seed(cast(int, training.seed or 0))
+    torch.manual_seed(int(training.seed or 0))
     model = build_model(cfg, vocab)
-    args = cast(TransformerModelArgs, model.model_args)
+    args = model.model_args
     fpt = flops_per_token(model, n_layers=args.n_layers, n_heads=args.n_heads, head_dim=args.head_dim,
                           seq_len=training.seq_len)  # fmt: skip
     n_layers = args.n_layers  # fpt above is the whole model's, sampled or not
     if layers is not None and layers < n_layers:
         for i in range(layers, n_layers):
-            del model.layers[str(i)]  # type: ignore[operator]
+            del model.layers[str(i)]
         n_layers = layers
     _parallelize(cfg, runtime, model)
     comm = MeshCommDebugMode(group_names(runtime.world_mesh))
@@ -262,7 +264,7 @@ class StepPosition:
             register_module_forward_pre_hook(lambda m, _: self._enter(names.get(id(m)))),
             optimizer.register_step_pre_hook(lambda *_: setattr(self, "stepping", True)),
         ]
-        for name, block in model.layers.items():  # type: ignore[operator]
+        for name, block in model.layers.items():  # type: ignore[union-attr, operator]
             self._handles.append(block.register_forward_hook(self._block_hook(f"layers.{name}")))
 
     def _enter(self, name: str | None) -> None:

@@ -27,7 +27,7 @@ def build_cross_entropy(compile_backend: str | None) -> CrossEntropy:
     under loss parallelism, whose vocabulary-sharded logits are DTensors dynamo cannot trace)."""
     if compile_backend is None:
         return summed_cross_entropy
-    return torch.compile(summed_cross_entropy, backend=compile_backend)  # type: ignore[return-value]
+    return torch.compile(summed_cross_entropy, backend=compile_backend)
 
 
 def token_loss_sum(
