@@ -35,6 +35,7 @@ from torch import nn
 
 from parallelisms.dtensor import DeviceMesh, DTensor
 from parallelisms.dtensor.collectives import InFlight, broadcast, start_all_reduce_flat
+from parallelisms.module_class import with_mixin
 
 from .buckets import MIB, assign_buckets
 
@@ -251,7 +252,7 @@ def replicate(module: nn.Module, mesh: DeviceMesh | None = None, *, bucket_cap_m
         raise ValueError(f"replicate(bucket_cap_mb={bucket_cap_mb}): must be > 0")
     state = ReplicateState(module, _group_of(mesh), int(bucket_cap_mb * MIB))
     module._replicate_state = state  # type: ignore[assignment]
-    module.__class__ = _replicate_class(type(module))
+    module.__class__ = with_mixin(ReplicateModule, type(module), "Replicate")
     synced = not _on_meta(module)
     if synced:
         state.sync_module_states()
@@ -264,15 +265,3 @@ def replicate(module: nn.Module, mesh: DeviceMesh | None = None, *, bucket_cap_m
 
     module.register_forward_pre_hook(before_forward)
     return module
-
-
-def _replicate_class(cls: type) -> type:
-    """The (ReplicateModule, cls) subclass; one per original class so isinstance and pickling agree."""
-    replicated = _REPLICATE_CLASSES.get(cls)
-    if replicated is None:
-        replicated = type(f"Replicate{cls.__name__}", (ReplicateModule, cls), {"__module__": cls.__module__})
-        _REPLICATE_CLASSES[cls] = replicated
-    return replicated
-
-
-_REPLICATE_CLASSES: dict[type, type] = {}  # a type cache: never holds modules or groups

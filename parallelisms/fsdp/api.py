@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from parallelisms.dtensor import DeviceMesh, DTensor, Replicate, Shard, init_device_mesh
+from parallelisms.module_class import with_mixin
 
 from .group import ParamGroup
 from .param import FSDPParam
@@ -140,7 +141,7 @@ def fully_shard(
     state = FSDPState(modules, group, reshard_after_forward, mp_policy)
     for m in modules:
         m._fsdp_state = state  # type: ignore[assignment]
-        m.__class__ = _fsdp_class(type(m))
+        m.__class__ = with_mixin(FSDPModule, type(m), "FSDP")
     return module
 
 
@@ -257,18 +258,6 @@ def _check_dtypes(params: list[FSDPParam], policy: MixedPrecisionPolicy) -> None
             f"fully_shard groups parameters of dtypes {sorted(map(str, dtypes))} into one all-gather; "
             f"set MixedPrecisionPolicy(param_dtype=...) or fully_shard the differing submodules separately"
         )
-
-
-def _fsdp_class(cls: type) -> type:
-    """The (FSDPModule, cls) subclass; one per original class so isinstance and pickling agree."""
-    fsdp_cls = _FSDP_CLASSES.get(cls)
-    if fsdp_cls is None:
-        fsdp_cls = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
-        _FSDP_CLASSES[cls] = fsdp_cls
-    return fsdp_cls
-
-
-_FSDP_CLASSES: dict[type, type] = {}  # a type cache, like torch's: never holds modules or groups
 
 
 def _states(module: FSDPModule, recurse: bool) -> list[FSDPState]:
