@@ -41,8 +41,11 @@ def one_process(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
         (2, [*PP2, "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]),  # split backward, V placement
         (8, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2",
              "--training.local_batch_size", "2"]),  # PP(2) x FSDP(2) x TP(2)
+        (4, [*PP2, "--parallelism.data_parallel_replicate_degree", "2",
+             "--training.local_batch_size", "2"]),  # PP(2) x DDP(2)
     ],
-    ids=["pp2_1f1b", "pp2_interleaved", "pp2_gpipe_mb2", "pp2_fsdp2", "pp2_tp2", "pp2_zbv", "pp2_fsdp2_tp2"],
+    ids=["pp2_1f1b", "pp2_interleaved", "pp2_gpipe_mb2", "pp2_fsdp2", "pp2_tp2", "pp2_zbv", "pp2_fsdp2_tp2",
+         "pp2_ddp2"],
 )  # fmt: skip
 def test_pipelined_training_follows_one_process(
     tmp_path: Path, one_process: list[float], world: int, layout: list[str]
