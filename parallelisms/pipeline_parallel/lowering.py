@@ -1,6 +1,6 @@
 """Lowering a compute-only schedule into the list a rank runs: transfers, and optionally the FSDP steps.
 
-The passes are torch.distributed.pipelining's (``_add_unshard_reshard``, ``_add_reduce_grad``, ``_add_send_recv``)
+The passes are torch's pipelining package's (``_add_unshard_reshard``, ``_add_reduce_grad``, ``_add_send_recv``)
 and give the same lists, so a schedule lowered here runs like torch's ``_PipelineScheduleRuntime``:
 
 - :func:`add_send_recv`: after an F whose next stage lives on another rank, ``SEND_F`` here and ``RECV_F`` on that

@@ -1,7 +1,7 @@
 """Pipeline schedules as data: one pure function of (pp, stages per rank, microbatches) per schedule.
 
 Each returns the compute actions (F, B, or I and W) of every rank, ``dict[rank, list[Action | None]]``, in the order
-the rank runs them, equal to torch.distributed.pipelining's ``pipeline_order`` (the ``None`` steps only align the
+the rank runs them, equal to torch's pipelining package's ``pipeline_order`` (the ``None`` steps only align the
 printed grid; the simulator computes the real idle time). :func:`~.lowering.lower_schedule` adds the transfers and
 the FSDP steps. ``SCHEDULES`` maps torchtitan's names to these functions; :func:`get_schedule` reads a name
 case-insensitively.

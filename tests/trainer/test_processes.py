@@ -22,25 +22,13 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
+from tests.trainer.test_resume import _children as children
 from trainer import launch
 
 REPO = Path(__file__).resolve().parents[2]
 # The shortest job that is still training when the test strikes: tiny windows, and more steps than
 # it can reach before the test kills or signals it (so a broken fix shows as a timeout, not a pass).
 TRAIN_ARGS = ["--training.seq_len", "64", "--training.steps", "2000"]
-
-
-def children(pid: int) -> list[int]:
-    """Direct child processes of `pid` (from /proc; torchrun's rank workers)."""
-    kids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            kids.append(int(stat.parent.name))
-    return kids
 
 
 def alive(pid: int) -> bool:
