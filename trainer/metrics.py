@@ -293,23 +293,22 @@ class MetricsLogger:
         """One step of `tokens` per device (tokens_per_device) into the interval."""
         self._tokens += tokens
 
-    @contextlib.contextmanager
-    def timing_data(self) -> Iterator[None]:
+    def timing_data(self) -> contextlib.AbstractContextManager[None]:
         """Time spent fetching and copying batches: part of the step, reported as its data share."""
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self._data_seconds += time.perf_counter() - start
+        return self._timed("_data_seconds")
+
+    def paused(self) -> contextlib.AbstractContextManager[None]:
+        """Not training (a checkpoint save, validation): tok/s leaves it out; the ETA keeps it."""
+        return self._timed("_paused_seconds")
 
     @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        """Not training (a checkpoint save, validation): tok/s leaves it out; the ETA keeps it."""
+    def _timed(self, counter: str) -> Iterator[None]:
+        """Add the context's wall time to the interval counter `counter`."""
         start = time.perf_counter()
         try:
             yield
         finally:
-            self._paused_seconds += time.perf_counter() - start
+            setattr(self, counter, getattr(self, counter) + time.perf_counter() - start)
 
     def log_interval(self, step: int, *, loss: float, grad_norm: float, lr: float) -> StepMetrics:
         """Log the interval ending at `step` from its counters, then start the next one."""
