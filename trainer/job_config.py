@@ -201,9 +201,11 @@ class Parallelism:
     pipeline_parallel_microbatch_size: int = 1
     """Pipeline parallelism: sequences per microbatch."""
     context_parallel_degree: int = 1
-    """Context parallelism degree (not supported yet: 1 only)."""
+    """Context parallelism degree: each sequence is sharded over this many ranks (ring attention); FSDP shards
+    parameters over data_parallel_shard_degree x this. training.seq_len must divide by 2 x this x TP degree."""
     context_parallel_rotate_method: Literal["allgather", "alltoall"] = "allgather"
-    """Context parallelism: how K/V blocks travel between ranks."""
+    """Context parallelism: how K/V blocks travel between ranks: "allgather" (one all-gather per attention) or
+    "alltoall" (a ring of point-to-point passes overlapped with the block computation)."""
     expert_parallel_degree: int = 1
     """Expert parallelism: there is no MoE model here (1 only)."""
     expert_tensor_parallel_degree: int = 1

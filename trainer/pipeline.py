@@ -138,9 +138,10 @@ def build_stages(
     num_stages = pp * len(parts)
     mapping = stage_to_rank(pp, len(parts), get_schedule(cfg.parallelism.pipeline_parallel_schedule).placement)
     bf16 = device.type == "cuda" and cfg.training.mixed_precision_param == "bfloat16"
-    tp = cfg.parallelism.tensor_parallel_degree  # sequence parallelism: each TP rank sends its T/tp rows
-    shape = (cfg.parallelism.pipeline_parallel_microbatch_size, cfg.training.seq_len // tp, whole.model_args.dim)
-    meta = BoundaryMeta(shape, torch.bfloat16 if bf16 else torch.float32)  # (mb, T/tp, D)
+    # context parallelism: each cp rank holds T/cp tokens; sequence parallelism: each TP rank sends T/(cp tp)
+    share = cfg.parallelism.tensor_parallel_degree * cfg.parallelism.context_parallel_degree
+    shape = (cfg.parallelism.pipeline_parallel_microbatch_size, cfg.training.seq_len // share, whole.model_args.dim)
+    meta = BoundaryMeta(shape, torch.bfloat16 if bf16 else torch.float32)  # (mb, T/(cp tp), D)
     return [
         PipelineStage(part, s, num_stages, pp_mesh.get_group(), mapping, device,
                       input_meta=None if s == 0 else meta, output_meta=None if s == num_stages - 1 else meta)
@@ -164,14 +165,14 @@ def pipeline_train_step(
     micro_batches: MicroBatches,
     *,
     targets: torch.Tensor,
-    dp_size: int,
+    grad_average_size: int,
     max_norm: float,
     use_loss_parallel: bool = False,
 ) -> StepResult:
     """One optimizer step: the schedule over each accumulation micro-batch's pipeline microbatches, the loss
     over the step's global target count (as trainer/step.py), then the gradient norm over every stage."""
     optimizer.zero_grad(set_to_none=True)
-    scale = dp_size / targets
+    scale = grad_average_size / targets
 
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         token_sum = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum",

@@ -136,6 +136,12 @@ def _feature_warnings(cfg: JobConfig) -> list[str]:
             f"blocks run eager (torch.compile cannot trace meshtrain's DTensor, which TP makes every block "
             f"activation); set compile.enable=false to silence this"
         )
+    if cfg.compile.enable and "model" in cfg.compile.components and p.context_parallel_degree > 1:
+        warnings.append(
+            f"compile.enable=true with parallelism.context_parallel_degree({p.context_parallel_degree}) > 1: the "
+            f"blocks run eager (ring attention communicates inside an autograd Function, which torch.compile "
+            f"cannot trace whole); set compile.enable=false to silence this"
+        )
     return warnings
 
 
@@ -226,13 +232,6 @@ def _check_pipeline(cfg: JobConfig) -> None:
             'parallelism.pipeline_parallel_schedule_csv: the trainer does not run CSV schedules yet; set it to "" '
             "and pick a parallelism.pipeline_parallel_schedule"
         )
-    not_yet = {
-        "parallelism.context_parallel_degree": p.context_parallel_degree > 1,
-    }
-    for key, set_ in not_yet.items():
-        if set_:
-            raise NotImplementedError(f"{key} with parallelism.pipeline_parallel_degree({pp}) > 1 is not supported "
-                                      f"yet; turn one of them off")  # fmt: skip
     mb = p.pipeline_parallel_microbatch_size
     for key, batch in (
         ("training.local_batch_size", training.local_batch_size),
@@ -291,17 +290,13 @@ def _check_validation(cfg: JobConfig) -> None:
     val, training = cfg.validation, cfg.training
     if not val.enable:
         return
-    seq_len, tp = val.seq_len or training.seq_len, cfg.parallelism.tensor_parallel_degree
+    seq_len = val.seq_len or training.seq_len
     if seq_len > training.seq_len:
         raise ValueError(
             f"validation.seq_len({val.seq_len}) must be <= training.seq_len({training.seq_len}), the model's "
             f"max_seq_len (its RoPE table); lower it, or 0 for training.seq_len"
         )
-    if seq_len % tp:
-        raise ValueError(
-            f"validation.seq_len({seq_len}) must be divisible by parallelism.tensor_parallel_degree({tp}) (sequence "
-            f"parallelism shards it); pick a multiple of {tp}"
-        )
+    _check_sequence_split("validation.seq_len", seq_len, cfg)
     if not val.dataset_path:
         if val.dataset != "embedded":
             raise ValueError(
@@ -374,10 +369,25 @@ def _check_tp_divides_model(cfg: JobConfig) -> None:
                 f"parallelism.tensor_parallel_degree({tp}) must divide the {cfg.model.flavor} flavor's {what}({n}): "
                 f"each TP rank holds whole heads; pick a divisor of {n}"
             )
-    if cfg.training.seq_len % tp:
+    _check_sequence_split("training.seq_len", cfg.training.seq_len, cfg)
+
+
+def _check_sequence_split(key: str, seq_len: int, cfg: JobConfig) -> None:
+    """Sequence parallelism cuts each sequence in tp pieces; context parallelism in 2 * cp chunks (two per
+    rank, head and tail) and, within a rank, in tp again."""
+    p = cfg.parallelism
+    tp, cp = p.tensor_parallel_degree, p.context_parallel_degree
+    if cp > 1 and seq_len % (2 * cp * tp):
         raise ValueError(
-            f"training.seq_len({cfg.training.seq_len}) must be divisible by parallelism.tensor_parallel_degree({tp}) "
-            f"(sequence parallelism shards it); pick a multiple of {tp}"
+            f"{key}({seq_len}) must be divisible by 2 x parallelism.context_parallel_degree({cp}) x "
+            f"parallelism.tensor_parallel_degree({tp}) = {2 * cp * tp}: context parallelism gives each rank two "
+            f"chunks of 1/(2 x {cp}) of the sequence, which sequence parallelism cuts in {tp}; pick a multiple of "
+            f"{2 * cp * tp}"
+        )
+    if seq_len % tp:
+        raise ValueError(
+            f"{key}({seq_len}) must be divisible by parallelism.tensor_parallel_degree({tp}) (sequence "
+            f"parallelism shards it); pick a multiple of {tp}"
         )
 
 

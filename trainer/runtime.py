@@ -11,10 +11,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from parallelisms.context_parallel import SequenceSharding
 from parallelisms.dtensor import DeviceMesh
 from parallelisms.parallel_dims import ParallelDims
 
 from .job_config import JobConfig
+from .step import MicroBatches
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,24 @@ class Runtime:
         dp_size = dims.dp_replicate * dims.dp_shard
         object.__setattr__(self, "dp_size", dp_size)
         object.__setattr__(self, "dp_rank", self.world_mesh["dp"].get_local_rank() if dp_size > 1 else 0)
+
+    @property
+    def grad_average_size(self) -> int:
+        """The ranks FSDP / DDP average gradients over: dp_replicate x dp_shard x cp (FSDP shards over
+        dp_shard x cp). The loss is scaled up by it, being already a mean over the step's global targets."""
+        return self.dp_size * self.parallel_dims.cp
+
+    @property
+    def sequence(self) -> SequenceSharding | None:
+        """This rank's share of each sequence under context parallelism (None without)."""
+        return SequenceSharding.of(self.world_mesh["cp"]) if self.parallel_dims.cp_enabled else None
+
+    def shard_sequences(self, micro_batches: MicroBatches) -> MicroBatches:
+        """Each (inputs, labels) cut to this rank's tokens (context parallelism), else as given."""
+        sequence = self.sequence
+        if sequence is None:
+            return micro_batches
+        return [(sequence.shard(x), sequence.shard(y)) for x, y in micro_batches]
 
     @property
     def dp_cp_mesh(self) -> DeviceMesh | None:

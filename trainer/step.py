@@ -71,7 +71,7 @@ def train_step(
     micro_batches: MicroBatches,
     *,
     targets: torch.Tensor,
-    dp_size: int,
+    grad_average_size: int,
     max_norm: float,
     use_loss_parallel: bool,
     skip_nonfinite: bool,
@@ -80,13 +80,13 @@ def train_step(
 ) -> StepResult:
     """One optimizer step over `micro_batches` (gradient accumulation; FSDP and DDP reduce only after
     the last). The loss is the sum of token losses over the whole step divided by its `targets`
-    (the global count), not a mean of means; times `dp_size` because FSDP and DDP average gradients
-    over the dp ranks. With `skip_nonfinite` a non-finite gradient norm skips the update (deciding
-    needs the norm on the host: one sync per step in that mode only); otherwise the loop's
-    NonfiniteWatch stops the job at its next check.
+    (the global count), not a mean of means; times `grad_average_size` because FSDP and DDP average
+    gradients over that many ranks (dp_replicate x dp_shard x cp). With `skip_nonfinite` a non-finite
+    gradient norm skips the update (deciding needs the norm on the host: one sync per step in that mode
+    only); otherwise the loop's NonfiniteWatch stops the job at its next check.
     `autocast`: run forward and loss under torch.autocast in this dtype (mixed precision without FSDP)."""
     optimizer.zero_grad(set_to_none=True)
-    scale = dp_size / targets
+    scale = grad_average_size / targets
     total: torch.Tensor | None = None
     accumulate = isinstance(model, (FSDPModule, ReplicateModule)) and len(micro_batches) > 1
     for i, (inputs, labels) in enumerate(micro_batches):

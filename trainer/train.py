@@ -220,6 +220,7 @@ def build_parallel_model(cfg: JobConfig, runtime: Runtime, vocab_size: int) -> n
             ac_selective_option=ac.selective_ac_option, ac_early_stop=ac.early_stop, mp_policy=mp_policy,
             reshard_after_forward=reshard,
             compile_backend=cfg.compile.backend if cfg.compile.enable and "model" in cfg.compile.components else None,
+            cp_rotate_method=p.context_parallel_rotate_method,
         )  # fmt: skip
         # identical on every rank (run_job resolved a None seed): the init fills stay in step
         torch.manual_seed(cast(int, cfg.training.seed))
@@ -299,7 +300,7 @@ def build_validator(
         source, freq=val.freq, steps=val.steps, local_batch_size=val.local_batch_size or training.local_batch_size,
         last_step=training.steps, dp_rank=runtime.dp_rank, dp_size=runtime.dp_size, dp_mesh=runtime.dp_cp_mesh,
         use_loss_parallel=runtime.loss_parallel, device=runtime.device, writer=writer,
-        autocast=runtime.precision.autocast, token_loss=token_loss,
+        autocast=runtime.precision.autocast, token_loss=token_loss, sequence=runtime.sequence,
     )  # fmt: skip
 
 
@@ -371,14 +372,16 @@ def train_loop(cfg: JobConfig, runtime: Runtime, c: Components) -> list[float]:
             with c.metrics.timing_data():
                 micro = fetch_micro_batches(batches, c.loader.accumulation_steps, runtime.device)
             lr = float(c.scheduler.get_last_lr()[0])
-            targets = global_target_count([y for _, y in micro], runtime.dp_cp_mesh)
+            local = runtime.shard_sequences(micro)  # this rank's tokens: under CP a share of each sequence
+            targets = global_target_count([y for _, y in local], runtime.dp_cp_mesh)
             if isinstance(c.model, PipelineParts):
-                result = pipeline_train_step(c.model.pipeline, c.optimizer, micro, targets=targets,
-                                             dp_size=runtime.dp_size, max_norm=training.max_norm,
+                result = pipeline_train_step(c.model.pipeline, c.optimizer, local, targets=targets,
+                                             grad_average_size=runtime.grad_average_size, max_norm=training.max_norm,
                                              use_loss_parallel=runtime.loss_parallel)  # fmt: skip
             else:
                 result = train_step(
-                    c.model, c.optimizer, micro, targets=targets, dp_size=runtime.dp_size, max_norm=training.max_norm,
+                    c.model, c.optimizer, local, targets=targets, grad_average_size=runtime.grad_average_size,
+                    max_norm=training.max_norm,
                     use_loss_parallel=runtime.loss_parallel, skip_nonfinite=training.skip_nonfinite_steps,
                     autocast=runtime.precision.autocast, cross_entropy=cross_entropy,
                 )  # fmt: skip

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from parallelisms.context_parallel import SequenceSharding
 from parallelisms.dtensor import DeviceMesh, DTensor, Partial
 
 from .data import (
@@ -177,8 +178,9 @@ class Validator:
         writer: ScalarWriter | None = None,
         autocast: torch.dtype | None = None,
         token_loss: TokenLoss | None = None,
+        sequence: SequenceSharding | None = None,
     ) -> None:
-        self.token_loss = token_loss
+        self.token_loss, self.sequence = token_loss, sequence
         self.source, self.freq, self.steps, self.last_step = source, freq, steps, last_step
         self.local_batch_size, self.dp_rank, self.dp_size, self.dp_mesh = local_batch_size, dp_rank, dp_size, dp_mesh
         self.use_loss_parallel, self.device, self.writer, self.autocast = use_loss_parallel, device, writer, autocast
@@ -196,6 +198,9 @@ class Validator:
             one_pass(self.source), local_batch_size=self.local_batch_size, dp_rank=self.dp_rank,
             dp_size=self.dp_size, steps=self.steps,
         )  # fmt: skip
+        if self.sequence is not None:  # context parallelism: this rank's share of each sequence
+            sequence = self.sequence
+            batches = ((sequence.shard(x), sequence.shard(y)) for x, y in batches)
         result = evaluate(
             model, batches, device=self.device, dp_mesh=self.dp_mesh, use_loss_parallel=self.use_loss_parallel,
             autocast=self.autocast, token_loss=self.token_loss,

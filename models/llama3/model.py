@@ -9,6 +9,7 @@ n_heads / tp query heads and n_kv_heads / tp key/value heads runs the same code.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import cast
 
 import torch
@@ -60,8 +61,22 @@ def apply_rotary_emb(xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor
     return xq_out.type_as(xq), xk_out.type_as(xk)
 
 
+def leading_positions(seqlen: int) -> slice:
+    """The RoPE rows of a whole sequence on one device: positions 0 .. seqlen-1."""
+    return slice(0, seqlen)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal SDPA of (B, H, T, Dh) queries over (B, Hkv, T, Dh) keys and values."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
 class Attention(nn.Module):
-    """Causal grouped-query self-attention with rotary embeddings."""
+    """Causal grouped-query self-attention with rotary embeddings.
+
+    `positions` and `core_attention` are what context parallelism swaps (models/llama3/parallelize.py:
+    apply_cp): the RoPE rows of this rank's tokens, and the attention over a sequence sharded across ranks.
+    """
 
     def __init__(self, args: TransformerModelArgs) -> None:
         super().__init__()
@@ -71,6 +86,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        self.positions: Callable[[int], slice | torch.Tensor] = leading_positions
+        self.core_attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = causal_attention
 
     def init_weights(self, init_std: float) -> None:
         for linear in (self.wq, self.wk, self.wv):
@@ -83,9 +100,9 @@ class Attention(nn.Module):
         xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)  # (B, T, H, Dh)
         xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)  # (B, T, Hkv, Dh)
         xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)  # (B, T, Hkv, Dh)
-        xq, xk = apply_rotary_emb(xq, xk, freqs_cis)
+        xq, xk = apply_rotary_emb(xq, xk, freqs_cis[self.positions(seqlen)])
         xq, xk, xv = (t.transpose(1, 2) for t in (xq, xk, xv))  # (B, H|Hkv, T, Dh)
-        out = F.scaled_dot_product_attention(xq, xk, xv, is_causal=True, enable_gqa=True)  # (B, H, T, Dh)
+        out = self.core_attention(xq, xk, xv)  # (B, H, T, Dh)
         out = out.transpose(1, 2).contiguous().view(bs, seqlen, -1)  # (B, T, H*Dh)
         return self.wo(out)
 

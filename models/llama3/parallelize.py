@@ -1,18 +1,22 @@
-"""How a Llama 3 model is parallelized: the TP/SP plan, activation checkpointing, torch.compile, FSDP or DDP.
+"""How a Llama 3 model is parallelized: the TP/SP plan, context parallelism, activation checkpointing,
+torch.compile, FSDP or DDP.
 
-Order (DESIGN.md section 4, torchtitan's): tensor/sequence parallel plan -> activation checkpointing ->
+Order (DESIGN.md section 4, torchtitan's): tensor/sequence parallel plan -> context parallel attention ->
+activation checkpointing ->
 per-block torch.compile -> fully_shard per block, then the embeddings, then the final norm and output,
 then the root; or, for pure data parallelism, `replicate` (DDP) of the whole model.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import cast
 
 import torch
 from torch import nn
 
 from parallelisms.activation_checkpoint import ACMode, apply_ac
+from parallelisms.context_parallel import RingAttention, RotateMethod, SequenceSharding
 from parallelisms.data_parallel import replicate
 from parallelisms.dtensor import DeviceMesh, Replicate, Shard
 from parallelisms.fsdp import MixedPrecisionPolicy, fully_shard
@@ -38,15 +42,18 @@ def parallelize_llama(
     mp_policy: MixedPrecisionPolicy | None = None,
     reshard_after_forward: bool = True,
     compile_backend: str | None = None,
+    cp_rotate_method: RotateMethod = "allgather",
 ) -> nn.Module:
     """Apply TP -> AC -> compile -> FSDP to `model` in place, as `parallel_dims` asks; returns `model`.
     `compile_backend` (e.g. "inductor") compiles each block; None leaves the model eager, and so does
-    TP (`compile_supported`). `ac_selective_option` / `ac_early_stop`: see `apply_ac`."""
-    _check_supported(parallel_dims)
+    TP and CP (`compile_supported`). `ac_selective_option` / `ac_early_stop`: see `apply_ac`.
+    `cp_rotate_method`: how ring attention moves K/V under context parallelism ("allgather" | "alltoall")."""
     if parallel_dims.tp_enabled:
         apply_tp(model, world_mesh["tp"], loss_parallel=loss_parallel)
+    if parallel_dims.cp_enabled:
+        apply_cp(model, world_mesh["cp"], rotate_method=cp_rotate_method)
     apply_ac(model, ac_mode, selective_option=ac_selective_option, early_stop=ac_early_stop)
-    if compile_backend is not None and compile_supported(parallel_dims.tp):
+    if compile_backend is not None and compile_supported(parallel_dims):
         apply_compile(model, compile_backend)
     dp_mesh = data_parallel_mesh(parallel_dims, world_mesh)
     if dp_mesh is not None:
@@ -67,21 +74,27 @@ def data_parallel_mesh(parallel_dims: ParallelDims, world_mesh: DeviceMesh) -> D
     return None
 
 
-def _check_supported(parallel_dims: ParallelDims) -> None:
-    if parallel_dims.cp > 1:
-        raise NotImplementedError(
-            f"cp_degree({parallel_dims.cp}) > 1 is not supported by parallelize_llama yet; set "
-            f"parallelism.context_parallel_degree=1"
-        )
+def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, rotate_method: RotateMethod) -> None:
+    """Context parallelism (Liu et al. 2023; torchtitan's): each rank holds SequenceSharding's share of
+    every sequence (the trainer shards the batch), so attention becomes ring attention over the cp ranks
+    and RoPE takes the rows of this rank's global positions. Everything else is per token and unchanged."""
+    sharding = SequenceSharding.of(cp_mesh)
+    ring = RingAttention(cp_mesh, causal=True, load_balance=sharding.load_balance, rotate_method=rotate_method)
+    positions = partial(sharding.positions, device=torch.device(cp_mesh.device_type))
+    for block in model.layers.values():  # type: ignore[operator]
+        block.attention.positions = positions
+        block.attention.core_attention = ring
 
 
-def compile_supported(tp_degree: int) -> bool:
-    """Whether the blocks can be compiled. torch.compile cannot trace our DTensor, and TP makes every
+def compile_supported(parallel_dims: ParallelDims) -> bool:
+    """Whether the blocks can be compiled. Ring attention (CP) issues point-to-point and collective calls
+    from inside an autograd Function, which fullgraph compilation cannot trace. torch.compile cannot
+    trace our DTensor either, and TP makes every
     block parameter and activation one: with fullgraph=True dynamo stops at the first
     `DTensor.from_local` (TP's input hook), an autograd.Function whose DTensorSpec argument it cannot
     proxy ("Missing `as_proxy()`"). FSDP alone is fine: its hooks run outside the compiled forward, which
-    sees only plain unsharded parameters. Under TP the blocks stay eager (the pre-flight warns)."""
-    return tp_degree == 1
+    sees only plain unsharded parameters. Under TP or CP the blocks stay eager (the pre-flight warns)."""
+    return not parallel_dims.tp_enabled and not parallel_dims.cp_enabled
 
 
 def apply_compile(model: nn.Module, backend: str) -> None:

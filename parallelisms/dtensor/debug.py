@@ -4,7 +4,7 @@ It is a TorchDispatchMode, so it sees every c10d collective that reaches the dis
 DTensor core and fsdp call `torch.distributed`), direct c10d calls, and torch's functional
 collectives. Keys follow torch's CommDebugMode: `torch.ops.c10d_functional.all_reduce`,
 `.all_gather_into_tensor`, `.reduce_scatter_tensor`, `.all_to_all_single`, `.broadcast`; ops with
-no functional twin (scatter, gather, reduce) keep their c10d key.
+no functional twin (scatter, gather, reduce, and point-to-point send / recv_) keep their c10d key.
 
 Bytes are the payload this rank hands to the collective: the input buffer for all_reduce,
 all_gather, reduce_scatter and all_to_all, the tensor for broadcast, and the chunks for scatter.
@@ -54,6 +54,8 @@ _COLLECTIVES: dict[Any, tuple[Any, int]] = {
     _c10d.scatter_: (_c10d.scatter_, 1),
     _c10d.gather_: (_c10d.gather_, 1),
     _c10d.reduce_: (_c10d.reduce_, 0),
+    _c10d.send: (_c10d.send, 0),  # point-to-point (pipeline stages, ring attention): counted per send / recv
+    _c10d.recv_: (_c10d.recv_, 0),
 }
 
 

@@ -59,7 +59,12 @@ def test_compile_with_tensor_parallelism_is_a_preflight_warning_and_eager_blocks
     cfg = load_config(["--compile.enable", "--parallelism.tensor_parallel_degree", "2"])
     warnings = check_config(cfg, world_size=2)
     assert any("compile.enable=true with parallelism.tensor_parallel_degree(2)" in w for w in warnings), warnings
-    assert compile_supported(1) and not compile_supported(2)
+    from parallelisms.parallel_dims import ParallelDims
+
+    def dims(tp: int = 1, cp: int = 1) -> ParallelDims:
+        return ParallelDims(dp_replicate=1, dp_shard=1, cp=cp, tp=tp, pp=1, world_size=tp * cp)
+
+    assert compile_supported(dims()) and not compile_supported(dims(tp=2)) and not compile_supported(dims(cp=2))
 
 
 def test_fsdp2_trains_compiled_like_eager(tmp_path: Path) -> None:

@@ -163,14 +163,6 @@ def test_selective_ac_recomputes_pointwise_but_not_matmuls_or_attention():
     assert selective["silu"] == full["silu"] == ARGS.n_layers and "silu" not in none  # recomputed
 
 
-def test_parallelize_rejects_cp_naming_the_key():
-    """FSDP x TP, HSDP and PP parts are supported (tests/fsdp/test_composition.py, tests/trainer/
-    test_pipeline_training.py); CP keeps a clear error."""
-    dims = ParallelDims(dp_replicate=1, dp_shard=2, cp=2, tp=1, pp=1, world_size=4)
-    with pytest.raises(NotImplementedError, match="parallelism.context_parallel_degree=1"):
-        parallelize_llama(_model(), dims, None, loss_parallel=False)  # type: ignore[arg-type]
-
-
 def test_ac_rejects_unknown_mode():
     with pytest.raises(ValueError, match="'op' is not one of"):
         apply_ac(_model(), "op")  # type: ignore[arg-type]

@@ -56,7 +56,7 @@ def _step(micro: int, lr: float = 1.0) -> dict[str, object]:
     dp_cp_mesh = mesh["dp_cp"] if dims.dp_cp_enabled else None
     targets = global_target_count([lab for _, lab in batches], dp_cp_mesh)
     result = train_step(
-        model, opt, batches, targets=targets, dp_size=world, max_norm=1.0, use_loss_parallel=False,
+        model, opt, batches, targets=targets, grad_average_size=world, max_norm=1.0, use_loss_parallel=False,
         skip_nonfinite=False,
     )  # fmt: skip
     params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for n, p in model.named_parameters()}
@@ -95,7 +95,7 @@ def test_nonfinite_step_stops_naming_the_step_without_a_sync_per_step() -> None:
     inputs, labels = _global_batch()
     batch = [(inputs, labels)]
     targets = torch.tensor(float((labels != IGNORE_INDEX).sum()))
-    kwargs = dict(targets=targets, dp_size=1, max_norm=1.0, use_loss_parallel=False)
+    kwargs = dict(targets=targets, grad_average_size=1, max_norm=1.0, use_loss_parallel=False)
     watch = NonfiniteWatch(torch.device("cpu"))
     watch.check()  # nothing noted: fine
     watch.note(6, torch.tensor(1.5))
@@ -148,7 +148,7 @@ def test_autocast_step_computes_in_bfloat16_and_keeps_float32_weights() -> None:
     model.output.register_forward_hook(lambda _m, _i, out: seen.append(out.dtype))
     inputs, labels = _global_batch()
     targets = torch.tensor(float((labels != IGNORE_INDEX).sum()))
-    kwargs = dict(targets=targets, dp_size=1, max_norm=1.0, use_loss_parallel=False, skip_nonfinite=False)
+    kwargs = dict(targets=targets, grad_average_size=1, max_norm=1.0, use_loss_parallel=False, skip_nonfinite=False)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     fp32 = train_step(model, opt, [(inputs, labels)], **kwargs)  # type: ignore[arg-type]
     bf16 = train_step(model, opt, [(inputs, labels)], autocast=torch.bfloat16, **kwargs)  # type: ignore[arg-type]

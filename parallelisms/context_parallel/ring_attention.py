@@ -1,0 +1,182 @@
+"""Ring attention (Liu et al. 2023) on local sequence shards: each rank's queries against every rank's K/V
+block, merged by log-sum-exp, skipping the blocks the causal mask zeroes (blocks.py), with the backward
+returning dK/dV to their owners. K/V travel by one all-gather or around a ring (exchange.py).
+
+`RingAttention` is the drop-in for `F.scaled_dot_product_attention(q, k, v, is_causal=..., enable_gqa=True)`
+on (B, H, L, Dh) queries and (B, Hkv, L, Dh) keys and values, L = this rank's share of the sequence.
+The backward re-fetches K/V instead of keeping every rank's (memory stays 1/cp of one device's).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from parallelisms.dtensor.device_mesh import DeviceMesh
+
+from .blocks import Block, attention_block, ring_sources
+from .exchange import PendingPass, RingGroup, all_gather_blocks, reduce_scatter_blocks, start_pass
+from .kernels import Kernel, block_backward, block_forward, choose_kernel
+from .merge import merge_into
+
+RotateMethod = Literal["allgather", "alltoall"]
+ROTATE_METHODS: tuple[RotateMethod, ...] = ("allgather", "alltoall")
+
+
+@dataclass(frozen=True)
+class RingPlan:
+    ring: RingGroup
+    causal: bool
+    load_balance: bool
+    rotate_method: RotateMethod
+    kernel: Kernel
+
+    def blocks(self) -> list[tuple[int, Block | None]]:
+        """(source rank, block) at each step, in ring order: own block first."""
+        rank = self.ring.rank
+        return [
+            (src, attention_block(rank, src, causal=self.causal, load_balance=self.load_balance))
+            for src in ring_sources(rank, self.ring.size)
+        ]
+
+
+class KVSource:
+    """The K/V block of each step, in `RingPlan.blocks` order: all gathered at once, or passed along the ring
+    (the next pass in flight while the caller computes on the current one)."""
+
+    def __init__(self, kv: torch.Tensor, plan: RingPlan) -> None:
+        self.plan, self.step = plan, 0
+        self.gathered = all_gather_blocks(kv, plan.ring) if plan.rotate_method == "allgather" else None
+        self.current = kv
+        self.pending: PendingPass | None = None
+
+    def next(self, source: int) -> torch.Tensor:
+        """The K/V of `source`, the rank of this step."""
+        if self.gathered is not None:
+            return self.gathered[source]
+        if self.step > 0:
+            self.current = self.pending.wait()  # type: ignore[union-attr]
+        self.step += 1
+        if self.step < self.plan.ring.size:  # start the next pass before the caller computes on this one
+            self.pending = start_pass(self.current, self.plan.ring)
+        return self.current
+
+
+def ring_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse (fp32)) of this rank's queries over every rank's keys."""
+    kernel = choose_kernel(plan.kernel, q)
+    source = KVSource(torch.stack([k, v]), plan)
+    acc_out = acc_lse = None
+    for src, block in plan.blocks():
+        kv = source.next(src)
+        if block is None:
+            continue
+        qs, ks = block.queries.select(q.shape[2]), block.keys.select(k.shape[2])
+        out, lse = block_forward(
+            q[:, :, qs].contiguous(), kv[0][:, :, ks].contiguous(), kv[1][:, :, ks].contiguous(),
+            causal=block.causal, scale=scale, kernel=kernel,
+        )  # fmt: skip
+        if acc_out is None:  # the own block comes first and covers every query
+            acc_out, acc_lse = out.float(), lse.float().clone()
+        else:
+            merge_into(acc_out[:, :, qs], acc_lse[:, :, qs], out, lse)
+    assert acc_out is not None and acc_lse is not None
+    return acc_out.to(q.dtype), acc_lse
+
+
+def ring_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    plan: RingPlan,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    kernel = choose_kernel(plan.kernel, q)
+    ring = plan.ring
+    kv = torch.stack([k, v])
+    source = KVSource(kv, plan)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    gathered_grads = torch.zeros((ring.size, *kv.shape), dtype=torch.float32, device=q.device) \
+        if plan.rotate_method == "allgather" else None  # fmt: skip
+    grad_pass: PendingPass | None = None
+    dout = dout.contiguous()
+    for src, block in plan.blocks():
+        kv_src = source.next(src)
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+        if block is not None:
+            qs, ks = block.queries.select(q.shape[2]), block.keys.select(k.shape[2])
+            dq_b, dk_b, dv_b = block_backward(
+                dout[:, :, qs].contiguous(), q[:, :, qs].contiguous(), kv_src[0][:, :, ks].contiguous(),
+                kv_src[1][:, :, ks].contiguous(), out[:, :, qs].contiguous(), lse[:, :, qs].contiguous(),
+                causal=block.causal, scale=scale, kernel=kernel,
+            )  # fmt: skip
+            dq[:, :, qs] += dq_b
+            dkv[0][:, :, ks] += dk_b
+            dkv[1][:, :, ks] += dv_b
+        if gathered_grads is not None:
+            gathered_grads[src] = dkv
+            continue
+        if grad_pass is not None:  # the gradient of this block so far, from the ranks before us
+            dkv += grad_pass.wait()
+        grad_pass = start_pass(dkv, ring)
+    if gathered_grads is not None:
+        own = reduce_scatter_blocks(gathered_grads, ring)
+    else:
+        own = grad_pass.wait()  # type: ignore[union-attr]  # our block's, back from its last rank
+    return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype)
+
+
+class _RingAttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan, scale: float
+    ) -> torch.Tensor:
+        out, lse = ring_forward(q, k, v, plan, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan, ctx.scale = plan, scale
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.plan, ctx.scale)
+        return dq, dk, dv, None, None
+
+
+class RingAttention:
+    """`F.scaled_dot_product_attention` over a sequence sharded on `cp_mesh` (shards as sequence.py cuts them).
+
+    `rotate_method`: "allgather" or "alltoall" (the ring); `kernel`: "auto", "flash" or "math" (kernels.py)."""
+
+    def __init__(
+        self,
+        cp_mesh: DeviceMesh,
+        *,
+        causal: bool = True,
+        load_balance: bool = True,
+        rotate_method: RotateMethod = "allgather",
+        kernel: Kernel = "auto",
+    ) -> None:
+        if rotate_method not in ROTATE_METHODS:
+            raise ValueError(
+                f"context_parallel_rotate_method={rotate_method!r}: expected one of {', '.join(ROTATE_METHODS)}"
+            )
+        self.plan = RingPlan(RingGroup.of(cp_mesh), causal, load_balance, rotate_method, kernel)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if q.shape[1] % k.shape[1]:
+            raise ValueError(f"ring attention: {q.shape[1]} query heads do not group over {k.shape[1]} K/V heads")
+        if self.plan.load_balance and self.plan.causal and q.shape[2] % 2:
+            raise ValueError(
+                f"ring attention: a load-balanced shard holds two equal chunks, but this rank has {q.shape[2]} "
+                f"tokens (odd); the sequence length must divide by 2 x the context parallel degree"
+            )
+        scale = q.shape[-1] ** -0.5
+        return _RingAttentionFunction.apply(q, k, v, self.plan, scale)  # type: ignore[no-any-return]
