@@ -76,8 +76,10 @@ def ring_forward(
         if block is None:
             continue
         qs, ks = block.queries.select(q.shape[2]), block.keys.select(k.shape[2])
+        # K/V contiguous (torch's ring attention: strided K/V blocks made its loss curve bad); q as it
+        # comes, so the output keeps its (B, L, H, Dh) layout and the caller's transpose back is free
         out, lse = block_forward(
-            q[:, :, qs].contiguous(), kv[0][:, :, ks].contiguous(), kv[1][:, :, ks].contiguous(),
+            q[:, :, qs], kv[0][:, :, ks].contiguous(), kv[1][:, :, ks].contiguous(),
             causal=block.causal, scale=scale, kernel=kernel,
         )  # fmt: skip
         if acc_out is None:  # the own block comes first and covers every query
@@ -106,16 +108,14 @@ def ring_backward(
     gathered_grads = torch.zeros((ring.size, *kv.shape), dtype=torch.float32, device=q.device) \
         if plan.rotate_method == "allgather" else None  # fmt: skip
     grad_pass: PendingPass | None = None
-    dout = dout.contiguous()
     for src, block in plan.blocks():
         kv_src = source.next(src)
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
         if block is not None:
             qs, ks = block.queries.select(q.shape[2]), block.keys.select(k.shape[2])
             dq_b, dk_b, dv_b = block_backward(
-                dout[:, :, qs].contiguous(), q[:, :, qs].contiguous(), kv_src[0][:, :, ks].contiguous(),
-                kv_src[1][:, :, ks].contiguous(), out[:, :, qs].contiguous(), lse[:, :, qs].contiguous(),
-                causal=block.causal, scale=scale, kernel=kernel,
+                dout[:, :, qs], q[:, :, qs], kv_src[0][:, :, ks].contiguous(), kv_src[1][:, :, ks].contiguous(),
+                out[:, :, qs], lse[:, :, qs].contiguous(), causal=block.causal, scale=scale, kernel=kernel,
             )  # fmt: skip
             dq[:, :, qs] += dq_b
             dkv[0][:, :, ks] += dk_b

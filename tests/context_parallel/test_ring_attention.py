@@ -172,8 +172,7 @@ def _llama_block_under_cp(method: str) -> list[torch.Tensor]:
     from models.llama3.parallelize import apply_cp
     from parallelisms.dtensor import init_device_mesh
 
-    w, rank = dist.get_world_size(), dist.get_rank()
-    mesh = init_device_mesh("cpu", (w,), mesh_dim_names=("cp",))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("cp",))
     torch.manual_seed(0)
     model = Transformer(TransformerModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=T))
     tokens = torch.randint(0, 64, (2, T), generator=torch.Generator().manual_seed(1))
@@ -188,3 +187,48 @@ def _llama_block_under_cp(method: str) -> list[torch.Tensor]:
 @pytest.mark.parametrize("method", ["allgather", "alltoall"])
 def test_apply_cp_makes_a_llama_give_the_shards_of_the_whole_sequence_logits(method: str) -> None:
     run_world(_llama_block_under_cp, 2, method)
+
+
+def _attention_activation_bytes(seq: int) -> int:
+    """Activation bytes one debug-model attention layer saves for backward on this rank (unique storages,
+    its weights left out), the sequence whole on one rank or split over the world by ring attention."""
+    from models.llama3 import llama3_configs
+    from models.llama3.model import Attention, precompute_freqs_cis
+    from parallelisms.dtensor import init_device_mesh
+
+    w = dist.get_world_size()
+    args = llama3_configs["debugmodel"]
+    attention = Attention(args)
+    freqs = precompute_freqs_cis(args.head_dim, seq)
+    x = torch.randn(1, seq, args.dim, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    if w > 1:
+        from parallelisms.context_parallel import RingAttention
+
+        mesh = init_device_mesh("cpu", (w,), mesh_dim_names=("cp",))
+        sharding = SequenceSharding.of(mesh)
+        attention.positions = lambda n: sharding.positions(n)
+        attention.core_attention = RingAttention(mesh)
+        x = sharding.shard(x.detach()).requires_grad_()
+    storages: dict[int, int] = {}
+    weights = {p.untyped_storage().data_ptr() for p in attention.parameters()}  # kept anyway: not activations
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in weights:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        attention(x, freqs)
+    return sum(storages.values())
+
+
+def test_cp2_attention_activations_per_rank_are_at_most_0_6_of_one_process() -> None:
+    """The issue's memory target, measured on the tensors autograd keeps (the kernel's q, k, v, out and lse;
+    the projections' inputs; the RoPE rows): CP(2) keeps each rank's half, never a gathered K/V."""
+    seq = 2048
+    one = run_world(_attention_activation_bytes, 1, seq)[0]
+    cp2 = run_world(_attention_activation_bytes, 2, seq)
+    ratio = max(cp2) / one
+    print(f"attention activations at seq {seq}: one process {one / 2**20:.1f} MiB, CP(2) per rank "
+          f"{max(cp2) / 2**20:.1f} MiB ({ratio:.2f}x)")  # fmt: skip
+    assert ratio <= 0.6, (one, cp2)
