@@ -30,7 +30,7 @@ check cuda_resume env NGPU=1 ./run_train.sh --training.steps 6 --checkpoint.enab
   --checkpoint.last_save_model_only false --job.dump_folder "$OUT/paths"
 # 4. the CUDA tests of the suite (those that skip on CPU)
 check cuda_tests python -m pytest -q -x tests/dtensor/ops/test_attention.py tests/dtensor/test_device_mesh.py \
-  tests/trainer/test_metrics.py
+  tests/trainer/test_metrics.py tests/context_parallel/test_ring_attention.py
 TOKS=$(grep -o "step 12 |.*" "$OUT/bf16_1b.log" | tail -n 1)
 python - "$OUT" "$TOKS" <<'PY'
 import json, sys

@@ -88,11 +88,11 @@ class Estimate:
 
 
 def refuse_unbuilt(dims: ParallelDims) -> None:
-    """PP and CP do not exist yet: refuse them in one line."""
-    if dims.pp > 1 or dims.cp > 1:
+    """PP is not estimated yet: refuse it in one line."""
+    if dims.pp > 1:
         raise NotImplementedError(
-            f"pipeline_parallel_degree={dims.pp}, context_parallel_degree={dims.cp}: the estimator covers the "
-            f"layouts meshtrain trains (FSDP/HSDP, DDP, TP/SP); PP and CP do not exist yet, set both to 1"
+            f"pipeline_parallel_degree={dims.pp}: the estimator covers FSDP/HSDP, DDP, TP/SP and CP; pipeline "
+            f"schedules are not estimated yet, set it to 1"
         )
 
 

@@ -159,8 +159,8 @@ def _parallelize(cfg: JobConfig, runtime: Runtime, model: torch.nn.Module) -> No
     parallelize_llama(
         model, runtime.parallel_dims, runtime.world_mesh, loss_parallel=runtime.loss_parallel,
         ac_mode=cast(ACMode, ac.mode), ac_selective_option=ac.selective_ac_option, ac_early_stop=ac.early_stop,
-        mp_policy=mp_policy,
-        reshard_after_forward=p.fsdp_reshard_after_forward != "never",
+        mp_policy=mp_policy, reshard_after_forward=p.fsdp_reshard_after_forward != "never",
+        cp_rotate_method=p.context_parallel_rotate_method,
     )  # fmt: skip
 
 
@@ -232,10 +232,12 @@ def trace_step(
         live.where, live.stage = position.where, position.stage
         live.reset_peak()
         live.flops = 0
+        micro = runtime.shard_sequences(micro)  # context parallelism: this rank's share of each sequence
         with comm:
             targets = global_target_count([y for _, y in micro], runtime.dp_cp_mesh)
             train_step(
-                model, optimizer, micro, targets=targets, dp_size=runtime.dp_size, max_norm=training.max_norm,
+                model, optimizer, micro, targets=targets, grad_average_size=runtime.grad_average_size,
+                max_norm=training.max_norm,
                 use_loss_parallel=runtime.loss_parallel, skip_nonfinite=False, autocast=runtime.precision.autocast,
             )  # fmt: skip
         params = [_local(p) for p in model.parameters()]

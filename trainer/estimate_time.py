@@ -9,7 +9,9 @@ row, the mesh order pp, dp_replicate, dp_shard, cp, tp putting tp innermost), el
 sent per rank follow the ring volumes of parallelisms.dtensor.cost.RING_VOLUME, from the payload the
 rank hands the collective (an all-gather's payload is its shard, so it sends (n-1) x payload).
 
-Exposure: tensor- and context-parallel collectives sit on the critical path (no async TP): fully exposed.
+Exposure: tensor- and context-parallel collectives sit on the critical path (no async TP): fully exposed
+(ring attention's passes overlap its block kernels in practice; the estimate does not credit that). A
+point-to-point pass is priced at its send; its receive costs nothing more.
 Data-parallel traffic (FSDP's all-gathers and reduce-scatters, HSDP's and DDP's all-reduces) overlaps the
 layers' compute, prefetched one layer ahead: exposed is what exceeds the compute, and at least the one
 layer's worth that cannot overlap (the first all-gather, the last reduce-scatter).
@@ -67,6 +69,8 @@ class StepTime:
 
 def collective_seconds(c: Collective, dims: ParallelDims, device: Device, gpus_per_node: int) -> float:
     """count x α + bytes sent / β of one row of the trace (a group not of the mesh is priced as the world)."""
+    if c.kind.startswith("recv"):  # a point-to-point pass is priced once, at its send
+        return 0.0
     name = c.mesh_dim if c.mesh_dim in (*MESH_ORDER, *FLATTENED) else "world"
     size, _ = dim_extent(dims, name)
     link = device.inter_node if spans_nodes(dims, name, gpus_per_node) else device.intra_node

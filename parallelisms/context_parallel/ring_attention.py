@@ -70,11 +70,9 @@ def ring_forward(
     """(out, lse (fp32)) of this rank's queries over every rank's keys."""
     kernel = choose_kernel(plan.kernel, q)
     source = KVSource(torch.stack([k, v]), plan)
-    acc_out = acc_lse = None
-    for src, block in plan.blocks():
+
+    def attend(src: int, block: Block) -> tuple[slice, torch.Tensor, torch.Tensor]:
         kv = source.next(src)
-        if block is None:
-            continue
         qs, ks = block.queries.select(q.shape[2]), block.keys.select(k.shape[2])
         # K/V contiguous (torch's ring attention: strided K/V blocks made its loss curve bad); q as it
         # comes, so the output keeps its (B, L, H, Dh) layout and the caller's transpose back is free
@@ -82,11 +80,18 @@ def ring_forward(
             q[:, :, qs], kv[0][:, :, ks].contiguous(), kv[1][:, :, ks].contiguous(),
             causal=block.causal, scale=scale, kernel=kernel,
         )  # fmt: skip
-        if acc_out is None:  # the own block comes first and covers every query
-            acc_out, acc_lse = out.float(), lse.float().clone()
-        else:
-            merge_into(acc_out[:, :, qs], acc_lse[:, :, qs], out, lse)
-    assert acc_out is not None and acc_lse is not None
+        return qs, out, lse
+
+    (own_src, own_block), *others = plan.blocks()
+    assert own_block is not None, "a rank's queries always see its own keys"
+    _, out, lse = attend(own_src, own_block)  # covers every query: the accumulators start from it
+    acc_out, acc_lse = out.float(), lse.float().clone()
+    for src, block in others:
+        if block is None:
+            source.next(src)  # the ring still passes these K/V on
+            continue
+        qs, out, lse = attend(src, block)
+        merge_into(acc_out[:, :, qs], acc_lse[:, :, qs], out, lse)
     return acc_out.to(q.dtype), acc_lse
 
 
@@ -179,4 +184,4 @@ class RingAttention:
                 f"tokens (odd); the sequence length must divide by 2 x the context parallel degree"
             )
         scale = q.shape[-1] ** -0.5
-        return _RingAttentionFunction.apply(q, k, v, self.plan, scale)  # type: ignore[no-any-return]
+        return _RingAttentionFunction.apply(q, k, v, self.plan, scale)

@@ -98,6 +98,8 @@ LAYOUTS = {  # name -> (world size, overrides)
     "fsdp2_tp2": (4, ["--parallelism.tensor_parallel_degree", "2"]),
     "ddp2": (2, ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]),
     "hsdp2x2": (4, ["--parallelism.data_parallel_replicate_degree", "2"]),
+    "cp2_ring": (2, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.context_parallel_degree", "2",
+                     "--parallelism.context_parallel_rotate_method", "alltoall"]),
 }
 
 
@@ -157,7 +159,7 @@ def test_pipeline_layout_is_refused_in_one_line() -> None:
     done = run_estimate("--parallelism.pipeline_parallel_degree", "2", "--world_size", "2", "--device", "h100")
     assert done.returncode == 2
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
-    assert "pipeline_parallel_degree=2" in done.stderr and "PP and CP do not exist yet" in done.stderr
+    assert "pipeline_parallel_degree=2" in done.stderr and "pipeline schedules are not estimated yet" in done.stderr
 
 
 def test_degrees_that_do_not_multiply_to_the_world_and_unknown_devices_fail_with_the_arithmetic() -> None:
