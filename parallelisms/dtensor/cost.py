@@ -110,13 +110,19 @@ def _spans_hosts(mesh: DeviceMesh, mesh_dim: int, host_size: int) -> bool:
 _MODEL: ContextVar[CostModel] = ContextVar("meshtrain_cost_model", default=CostModel())  # noqa: B039 (frozen)
 
 
+# every model ever planned with, kept alive: plan caches key a model by its id, which a freed one could pass on
+_PLANNED_WITH: dict[int, CostModel] = {}
+
+
 def cost_model() -> CostModel:
     return _MODEL.get()
 
 
 @contextmanager
 def use_cost_model(model: CostModel) -> Iterator[CostModel]:
-    """Plan with `model` inside the context, in this thread / task (plans cached before keep their choices)."""
+    """Plan with `model` inside the context, in this thread / task. Plans are cached per model: leaving
+    the context brings back the plans of the model outside."""
+    _PLANNED_WITH.setdefault(id(model), model)
     token = _MODEL.set(model)
     try:
         yield model

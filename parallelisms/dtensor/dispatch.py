@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch._ops import OpOverload
 
+from .cost import cost_model
 from .device_mesh import DeviceMesh
 from .dtensor import DTensor
 from .fast_call import fast_call
@@ -66,8 +67,10 @@ def dispatch(op: OpOverload, args: tuple, kwargs: dict | None) -> Any:
     else:
         key_kwargs, local_kwargs = (), {}
     # Equal meshes of different roots (a second init_device_mesh) must not share plans: the outputs
-    # would carry the first root's mesh (its groups), and fully_shard checks roots by identity.
-    key: tuple = (op, key_args, key_kwargs, id(dtensors[0]._spec.mesh._root) if dtensors else None)
+    # would carry the first root's mesh (its groups), and fully_shard checks roots by identity. Plans
+    # made under another cost model (use_cost_model) may choose differently: its identity is keyed too.
+    root = id(dtensors[0]._spec.mesh._root) if dtensors else None
+    key: tuple = (op, key_args, key_kwargs, root, id(cost_model()))
     if floats:
         key = _value_free_key(key)
     try:
@@ -252,7 +255,7 @@ def _scalar_kind(op: OpOverload) -> str:
 
 def _value_free_key(key: tuple) -> tuple:
     """`key` (of an op call with float args) with the floats replaced where its rule ignores them."""
-    op, key_args, key_kwargs, root = key
+    op, key_args, key_kwargs, *scope = key
     kind = _SCALAR_KIND.get(op)
     if kind is None:
         kind = _SCALAR_KIND[op] = _scalar_kind(op)
@@ -263,10 +266,10 @@ def _value_free_key(key: tuple) -> tuple:
             return key
     if kind == "list":
         args = tuple([("scalars", len(a)) if type(a) is tuple and a and type(a[0]) is float else a for a in key_args])
-        return (op, args, key_kwargs, root)
+        return (op, args, key_kwargs, *scope)
     args = tuple([_FLOAT if type(a) is float else a for a in key_args])
     kwargs = tuple([(n, _FLOAT if type(v) is float else v) for n, v in key_kwargs]) if key_kwargs else key_kwargs
-    return (op, args, kwargs, root)
+    return (op, args, kwargs, *scope)
 
 
 def _has_partial(a: Any) -> bool:

@@ -37,6 +37,7 @@ from .cost import (
     LOCAL_PARTITION,
     REDUCE_SCATTER,
     collective_seconds,
+    cost_model,
     plan_seconds,
     transition_kind,
 )
@@ -75,9 +76,15 @@ class Transition:
     pieces: int = 1
 
 
-@lru_cache(maxsize=4096)
 def plan_transitions(src: DTensorSpec, dst_placements: tuple[Placement, ...]) -> tuple[Transition, ...]:
-    """The transitions that take `src` to `dst_placements`, in execution order (cached per rank).
+    """The transitions that take `src` to `dst_placements`, in execution order (cached per rank and cost
+    model: under `use_cost_model` the cheaper walk may be another)."""
+    return _plan_transitions(src, dst_placements, id(cost_model()))
+
+
+@lru_cache(maxsize=4096)
+def _plan_transitions(src: DTensorSpec, dst_placements: tuple[Placement, ...], _model: int) -> tuple[Transition, ...]:
+    """`plan_transitions` under the cost model of identity `_model` (the current one).
 
     The un-nesting walk (inner -> outer, then outer -> inner) is always correct. When the source
     shards nothing there is no nesting to undo and a plain outer -> inner walk is correct too; it

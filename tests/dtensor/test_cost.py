@@ -54,3 +54,25 @@ def test_a_partition_costs_the_all_reduce_it_defers() -> None:
         partition = collective_seconds("local partition", nbytes, GRID, 1)
         assert all_reduce < partition == pytest.approx(all_reduce + nbytes / TWO_HOSTS.local_copy_bytes_per_s)
         assert collective_seconds("local chunk", nbytes, GRID, 1) < collective_seconds("all_gather", 1, GRID, 1)
+
+
+def _plans_per_cost_model() -> list[int]:
+    from parallelisms.dtensor import Replicate, Shard, init_device_mesh
+    from parallelisms.dtensor.redistribute import _plan_transitions, plan_transitions
+    from parallelisms.dtensor.spec import DTensorSpec, TensorMeta
+
+    mesh = init_device_mesh("cpu", (2,))
+    t = torch.empty(4, 6)
+    spec = DTensorSpec(mesh, (Replicate(),), TensorMeta(t.shape, t.stride(), t.dtype))
+    before = _plan_transitions.cache_info().misses
+    plan_transitions(spec, (Shard(0),))
+    with use_cost_model(TWO_HOSTS):
+        plan_transitions(spec, (Shard(0),))  # planned again: another model may walk another way
+    plan_transitions(spec, (Shard(0),))  # the first model's plan, from the cache
+    return [_plan_transitions.cache_info().misses - before]
+
+
+def test_redistribution_plans_are_cached_per_cost_model() -> None:
+    from tests.world import run_world
+
+    assert run_world(_plans_per_cost_model, 2) == [[2], [2]]
