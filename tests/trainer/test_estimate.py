@@ -92,14 +92,14 @@ def test_sharded_param_grad_optimizer_bytes_equal_the_analytic_figures(config: s
 
 
 # ------------------------------------------------------------------------ against real gloo runs
+CP2 = ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.context_parallel_degree", "2"]
 LAYOUTS = {  # name -> (world size, overrides)
     "fsdp2": (2, []),
     "tp2": (2, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.tensor_parallel_degree", "2"]),
     "fsdp2_tp2": (4, ["--parallelism.tensor_parallel_degree", "2"]),
     "ddp2": (2, ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]),
     "hsdp2x2": (4, ["--parallelism.data_parallel_replicate_degree", "2"]),
-    "cp2_ring": (2, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.context_parallel_degree", "2",
-                     "--parallelism.context_parallel_rotate_method", "alltoall"]),
+    "cp2_ring": (2, [*CP2, "--parallelism.context_parallel_rotate_method", "alltoall"]),
 }
 
 
