@@ -3,7 +3,8 @@
 
 In one CPU process, with no GPU: a fake process group of N ranks; rank 0 builds the model on meta with
 the trainer's own recipe under the config's degrees and runs one training step on fake tensors
-(trainer.estimate_step). Without PP every rank has the same role, so rank 0 represents them all. It
+(trainer.estimate_step). Without PP every rank has the same role, so rank 0 represents them all; under
+PP the first and the last stage are traced, each on its first rank, and the step is the slower's. It
 reports memory per rank by category and its peak (trainer.estimate_memory), the collectives by kind and
 mesh dim, the FLOPs, and a step time, tok/s per device and MFU (trainer.estimate_time on the tables of
 trainer.devices). `--json` prints DESIGN.md §7's object; `--search` ranks layouts (trainer.estimate_search).
@@ -28,8 +29,9 @@ from parallelisms.parallel_dims import ParallelDims
 from .config import load_config
 from .devices import GIB, Device, gpus_per_node, lookup_device
 from .estimate_step import StepTrace, trace_step_sampled
-from .estimate_time import StepTime, collective_seconds, price_step
+from .estimate_time import StepTime, collective_seconds, pipeline_stretch, price_step
 from .job_config import JobConfig
+from .pipeline import stages_per_rank
 from .preflight import check_config
 from .runtime import build_runtime, resolve_precision
 from .train import build_parallel_dims
@@ -38,16 +40,48 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
+class Role:
+    """Ranks that hold the same shards and run the same step: all of them without PP; under PP the first
+    and the last stage (the embedding's and the output's), each traced on its first rank."""
+
+    name: str
+    ranks: tuple[int, int]  # [first, last] global rank of the role (pp is the outermost mesh dim)
+    trace: StepTrace
+    time: StepTime
+
+
+@dataclass(frozen=True)
 class Estimate:
-    """One layout's prediction for one role (all ranks, without PP)."""
+    """One layout's prediction: each role's memory and traffic; the step is the slowest role's."""
 
     world_size: int
     device: Device
     dims: ParallelDims
-    trace: StepTrace
-    time: StepTime
+    roles: tuple[Role, ...]
     ac_mode: str
     local_batch_size: int
+
+    @property
+    def critical(self) -> Role:
+        return max(self.roles, key=lambda r: r.time.step_s)
+
+    @property
+    def trace(self) -> StepTrace:
+        """The slowest role's trace (the one whole role without PP)."""
+        return self.critical.trace
+
+    @property
+    def time(self) -> StepTime:
+        return self.critical.time
+
+    @property
+    def peak_bytes(self) -> int:
+        """The highest peak of any role: what must fit on every device."""
+        return max(r.trace.memory.peak for r in self.roles)
+
+    @property
+    def steady_bytes(self) -> int:
+        return max(sum(r.trace.memory.steady.values()) for r in self.roles)
 
     @property
     def tokens_per_s_per_device(self) -> float:
@@ -59,7 +93,7 @@ class Estimate:
 
     def as_json(self) -> dict[str, Any]:
         """DESIGN.md §7's object (extra keys beside the contract's: detail, never in place of it)."""
-        d, m = self.dims, self.trace.memory
+        d = self.dims
         model_flops = self.trace.flops_per_token * self.trace.local_tokens / d.non_data_parallel_size
         return {
             "world_size": self.world_size,
@@ -67,14 +101,16 @@ class Estimate:
             "layout": {"dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "cp": d.cp, "tp": d.tp, "pp": d.pp},
             "ranks": [
                 {
-                    "role": "all",
-                    "ranks": [0, self.world_size - 1],  # every rank: [first, last]
-                    "memory_bytes": m.as_dict(),
-                    "peak_where": m.peak_where,
-                    "steady_bytes": m.steady,
-                    "collectives": [dataclasses.asdict(c) for c in self.trace.collectives],
-                    "executed_flops_per_step": self.trace.executed_flops,
+                    "role": r.name,
+                    "ranks": list(r.ranks),
+                    "memory_bytes": r.trace.memory.as_dict(),
+                    "peak_where": r.trace.memory.peak_where,
+                    "steady_bytes": r.trace.memory.steady,
+                    "collectives": [dataclasses.asdict(c) for c in r.trace.collectives],
+                    "executed_flops_per_step": r.trace.executed_flops,
+                    "step_time_s": r.time.step_s,
                 }
+                for r in self.roles
             ],  # fmt: skip
             "flops_per_step": model_flops,  # model FLOPs (6N + 12 L d T per token) per device
             "step_time_s": self.time.step_s,
@@ -87,44 +123,54 @@ class Estimate:
         }
 
 
-def refuse_unbuilt(dims: ParallelDims) -> None:
-    """PP is not estimated yet: refuse it in one line."""
-    if dims.pp > 1:
-        raise NotImplementedError(
-            f"pipeline_parallel_degree={dims.pp}: the estimator covers FSDP/HSDP, DDP, TP/SP and CP; pipeline "
-            f"schedules are not estimated yet, set it to 1"
-        )
-
-
-def init_fake_world(world_size: int) -> None:
-    """A fake process group of `world_size` ranks, this process rank 0 (kept if one exists at that size)."""
+def init_fake_world(world_size: int, rank: int = 0) -> None:
+    """A fake process group of `world_size` ranks, this process rank `rank` (kept if one exists like it)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
-        if dist.get_world_size() != world_size:
+        if dist.get_world_size() == world_size and dist.get_rank() == rank:
+            return
+        if dist.get_backend() != "fake":
             raise RuntimeError(
-                f"a process group of {dist.get_world_size()} ranks exists; the estimate needs {world_size}"
+                f"a process group of {dist.get_world_size()} ranks exists; the estimate needs a fake one of "
+                f"{world_size}"
             )
-        return
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+
+def roles_of(dims: ParallelDims, world_size: int) -> list[tuple[str, tuple[int, int]]]:
+    """(name, [first, last] rank) of each role: one without PP; under PP the first and the last stage."""
+    if not dims.pp_enabled:
+        return [("all", (0, world_size - 1))]
+    per_stage = world_size // dims.pp
+    last = world_size - per_stage
+    return [("first stage", (0, per_stage - 1)), ("last stage", (last, world_size - 1))]
 
 
 def estimate(cfg: JobConfig, world_size: int, device: Device, *, nodes_of: int | None = None) -> Estimate:
     """One layout: the config's degrees on `world_size` ranks of `device` (NGPU per node unless `nodes_of`)."""
     check_config(cfg, world_size)
     dims = build_parallel_dims(cfg.parallelism, world_size)
-    refuse_unbuilt(dims)
-    init_fake_world(world_size)
-    mesh = dims.build_mesh("cpu")
-    runtime = build_runtime(cfg, dims, mesh, torch.device("cpu"))  # the tensors: fake, on the CPU
-    precision = resolve_precision(cfg, torch.device("cpu" if device.name == "cpu" else "cuda"), dims)
-    runtime = dataclasses.replace(runtime, precision=precision)  # the dtypes: the target device's
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # fake tensors' data_ptr deprecation, from code that caches by pointer
-        trace = trace_step_sampled(cfg, runtime)
-    time = price_step(trace, dims, device, nodes_of or gpus_per_node())
+    stretch = 1.0
+    if dims.pp_enabled:
+        p = cfg.parallelism
+        microbatches = cfg.training.local_batch_size // p.pipeline_parallel_microbatch_size
+        stretch = pipeline_stretch(p.pipeline_parallel_schedule, dims.pp, stages_per_rank(cfg), microbatches)
+    roles = []
+    for name, ranks in roles_of(dims, world_size):
+        init_fake_world(world_size, ranks[0])
+        mesh = dims.build_mesh("cpu")
+        runtime = build_runtime(cfg, dims, mesh, torch.device("cpu"))  # the tensors: fake, on the CPU
+        precision = resolve_precision(cfg, torch.device("cpu" if device.name == "cpu" else "cuda"), dims)
+        runtime = dataclasses.replace(runtime, precision=precision)  # the dtypes: the target device's
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # fake tensors' data_ptr deprecation, from code that caches by pointer
+            trace = trace_step_sampled(cfg, runtime)
+        time = price_step(trace, dims, device, nodes_of or gpus_per_node(), pipeline_stretch=stretch)
+        roles.append(Role(name, ranks, trace, time))
     return Estimate(
-        world_size, device, dims, trace, time, cfg.activation_checkpoint.mode, cfg.training.local_batch_size
+        world_size, device, dims, tuple(roles), cfg.activation_checkpoint.mode, cfg.training.local_batch_size
     )
 
 
@@ -134,35 +180,44 @@ def _gib(n: float) -> str:
 
 
 def format_table(e: Estimate, cfg: JobConfig, *, margin: float) -> str:
-    d, m, t = e.dims, e.trace.memory, e.time
+    d = e.dims
     lines = [
         f"estimate: {cfg.model.name} {cfg.model.flavor} on {e.world_size} x {e.device.name} "
-        f"({gpus_per_node()} per node) | "
-        f"dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} x tp {d.tp} (cp {d.cp}, pp {d.pp}) | "
-        f"AC {e.ac_mode} | local batch {e.local_batch_size} x {cfg.training.seq_len}",
-        f"memory per rank at the peak ({m.peak_where}):",
+        f"({gpus_per_node()} per node) | dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} x cp {d.cp} x "
+        f"tp {d.tp} x pp {d.pp} | AC {e.ac_mode} | local batch {e.local_batch_size} x {cfg.training.seq_len}",
     ]
+    for role in e.roles:
+        lines += _role_lines(e, role, margin=margin, named=len(e.roles) > 1)
+    t = e.time
+    model = e.trace.flops_per_token * e.trace.local_tokens / d.non_data_parallel_size
+    executed = e.trace.executed_flops / 1e12
+    lines.append(f"flops per device per step: model {model / 1e12:,.1f} TFLOP, executed {executed:,.1f} TFLOP "
+                 f"(recomputation included{'; the slowest stage' if d.pp_enabled else ''})")  # fmt: skip
+    exposed = ", ".join(f"{k} {v:.3f}s" for k, v in t.exposed_s.items()) or "none"
+    bubble = f" + pipeline bubble {t.bubble_s:.3f}s" if d.pp_enabled else ""
+    lines.append(f"step time {t.step_s:.3f}s = compute {t.compute_s:.3f}s (at {e.device.efficiency:.0%} of "
+                 f"{e.device.peak_tflops:g} TFLOPS){bubble} + exposed comm ({exposed})")  # fmt: skip
+    lines.append(f"tok/s per device {e.tokens_per_s_per_device:,.0f} | mfu {e.mfu:.1%}")
+    return "\n".join(lines)
+
+
+def _role_lines(e: Estimate, role: Role, *, margin: float, named: bool) -> list[str]:
+    m = role.trace.memory
+    title = f"{role.name} (ranks {role.ranks[0]}-{role.ranks[1]}): " if named else ""
+    lines = [f"{title}memory per rank at the peak ({m.peak_where}):"]
     lines += [f"  {name:<17}{_gib(nbytes)}" for name, nbytes in m.at_peak.items()]
     budget = e.device.memory_bytes * (1 - margin)
     verdict = "fits" if m.peak <= budget else "does NOT fit"
     lines.append(f"  {'peak':<17}{_gib(m.peak)}  of {e.device.memory_bytes / GIB:.1f} GiB: {verdict} "
                  f"with a {margin:.0%} margin (tensor bytes; the allocator's cache comes on top)")  # fmt: skip
     lines.append("  steady (after the step): " + ", ".join(f"{k} {v / GIB:.2f} GiB" for k, v in m.steady.items()))
-    lines.append("collectives per rank per step:")
+    lines.append(f"{title}collectives per rank per step:")
     lines.append(f"  {'kind':<24}{'mesh dim':<14}{'count':>7}{'bytes':>16}{'seconds':>10}  link")
-    for c in e.trace.collectives:
-        link = "network" if e.time.inter_node.get(c.mesh_dim) else "nvlink"
-        secs = collective_seconds(c, d, e.device, gpus_per_node())
+    for c in role.trace.collectives:
+        link = "network" if role.time.inter_node.get(c.mesh_dim) else "nvlink"
+        secs = collective_seconds(c, e.dims, e.device, gpus_per_node())
         lines.append(f"  {c.kind:<24}{c.mesh_dim:<14}{c.count:>7}{c.bytes:>16,}{secs:>10.4f}  {link}")
-    model = e.trace.flops_per_token * e.trace.local_tokens / d.non_data_parallel_size
-    executed = e.trace.executed_flops / 1e12
-    lines.append(f"flops per device per step: model {model / 1e12:,.1f} TFLOP, executed {executed:,.1f} TFLOP "
-                 f"(recomputation included)")  # fmt: skip
-    exposed = ", ".join(f"{k} {v:.3f}s" for k, v in t.exposed_s.items()) or "none"
-    lines.append(f"step time {t.step_s:.3f}s = compute {t.compute_s:.3f}s (at {e.device.efficiency:.0%} of "
-                 f"{e.device.peak_tflops:g} TFLOPS) + exposed comm ({exposed})")  # fmt: skip
-    lines.append(f"tok/s per device {e.tokens_per_s_per_device:,.0f} | mfu {e.mfu:.1%}")
-    return "\n".join(lines)
+    return lines
 
 
 # ------------------------------------------------------------------------------------------ CLI

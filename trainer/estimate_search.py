@@ -62,7 +62,7 @@ def search(
     for r, s, tp in layouts(cfg, world_size, gpus_per_node()):
         if batch % (r * s) == 0:
             found += _search_layout(base, (r, s, tp), batch, world_size, device, budget)
-    found.sort(key=lambda pair: (-pair[0].tokens_per_s_per_device, pair[0].trace.memory.peak))
+    found.sort(key=lambda pair: (-pair[0].tokens_per_s_per_device, pair[0].peak_bytes))
     return found
 
 
@@ -88,10 +88,10 @@ def _search_layout(
             except (ValueError, NotImplementedError) as error:
                 logger.info("skipped %s: %s", " ".join(overrides), error)
                 return found
-            logger.info("%s: peak %.1f GiB", " ".join(overrides), result.trace.memory.peak / GIB)
-            if sum(result.trace.memory.steady.values()) > budget:
+            logger.info("%s: peak %.1f GiB", " ".join(overrides), result.peak_bytes / GIB)
+            if result.steady_bytes > budget:
                 return found  # no batch or AC mode makes room for the model state itself
-            if result.trace.memory.peak <= budget:
+            if result.peak_bytes <= budget:
                 found.append((result, overrides))
                 if local == locals_[0]:
                     return found
@@ -105,5 +105,5 @@ def format_candidates(found: list[tuple[Estimate, list[str]]], cfg: JobConfig, *
     lines = [f"{'tok/s/dev':>10}{'mfu':>7}{'step s':>8}{'peak GiB':>10}  overrides"]
     for e, overrides in found:
         lines.append(f"{e.tokens_per_s_per_device:>10,.0f}{e.mfu:>7.1%}{e.time.step_s:>8.2f}"
-                     f"{e.trace.memory.peak / GIB:>10.1f}  {' '.join(overrides)}")  # fmt: skip
+                     f"{e.peak_bytes / GIB:>10.1f}  {' '.join(overrides)}")  # fmt: skip
     return "\n".join(lines)

@@ -38,10 +38,11 @@ from .estimate_memory import MemoryReport, track_live_bytes
 from .job_config import JobConfig
 from .metrics import flops_per_token
 from .optim import build_optimizer
+from .pipeline import pipeline_train_step, split_for_rank
 from .runtime import Runtime
 from .step import global_target_count, train_step
 from .tokenizer import build_model_tokenizer, model_vocab_size
-from .train import build_model, init_model
+from .train import assemble_pipeline, build_model, init_model
 
 
 @dataclass(frozen=True)
@@ -159,7 +160,8 @@ def _parallelize(cfg: JobConfig, runtime: Runtime, model: torch.nn.Module) -> No
     parallelize_llama(
         model, runtime.parallel_dims, runtime.world_mesh, loss_parallel=runtime.loss_parallel,
         ac_mode=cast(ACMode, ac.mode), ac_selective_option=ac.selective_ac_option, ac_early_stop=ac.early_stop,
-        mp_policy=mp_policy, reshard_after_forward=p.fsdp_reshard_after_forward != "never",
+        mp_policy=mp_policy, reshard_after_forward=p.fsdp_reshard_after_forward == "always"
+        or (p.fsdp_reshard_after_forward == "default" and p.pipeline_parallel_degree == 1),  # as train.py
         cp_rotate_method=p.context_parallel_rotate_method,
     )  # fmt: skip
 
@@ -180,8 +182,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _materialize(cfg: JobConfig, model: torch.nn.Module, device: torch.device, *, fake: bool) -> torch.optim.Optimizer:
-    """Allocate the parallelized model's shards on `device` as trainer.train does, and its optimizer."""
+def _allocate(cfg: JobConfig, model: torch.nn.Module, device: torch.device, *, fake: bool) -> None:
+    """Allocate the parallelized model's (or pipeline part's) shards on `device` as trainer.train does."""
     if fake:  # the same storages; the random fills draw seeds with .item(), which fake tensors lack
         model.to_empty(device=device)
         if cast(TransformerModelArgs, model.model_args).tie_word_embeddings:
@@ -192,6 +194,9 @@ def _materialize(cfg: JobConfig, model: torch.nn.Module, device: torch.device, *
         init_model(model, device)  # type: ignore[arg-type]
     if cfg.training.dtype == "bfloat16":
         model.to(torch.bfloat16)
+
+
+def _optimizer(cfg: JobConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
     opt = cfg.optimizer
     return build_optimizer(
         model, name=opt.name, lr=opt.lr, eps=opt.eps, weight_decay=opt.weight_decay, betas=(opt.beta1, opt.beta2),
@@ -225,10 +230,11 @@ def trace_step(
         fakes.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
         fakes.enter_context(RealTensorsStayReal())
     with fakes, track_live_bytes() as live:
-        optimizer = _materialize(cfg, model, runtime.device, fake=fake)
+        _allocate(cfg, model, runtime.device, fake=fake)
+        optimizer = _optimizer(cfg, model)
         shape = (training.local_batch_size, training.seq_len)
         micro = [(_tokens(vocab, shape, runtime.device), _tokens(vocab, shape, runtime.device)) for _ in range(n_micro)]
-        position = StepPosition(model, optimizer)
+        position = StepPosition([model], optimizer)
         live.where, live.stage = position.where, position.stage
         live.reset_peak()
         live.flops = 0
@@ -254,20 +260,76 @@ def trace_step(
     )  # fmt: skip
 
 
+def trace_pipeline_step(cfg: JobConfig, runtime: Runtime, *, fake: bool, vocab_size: int | None = None) -> StepTrace:
+    """`trace_step` of this rank's pipeline stages: the trainer's split, parallelization and schedule, every
+    microbatch of the step run (so the schedule's activation peak is the one measured). Not sampled: a rank
+    holds only its stages' blocks."""
+    vocab = vocab_size or job_vocab_size(cfg)
+    training = cfg.training
+    global_batch = training.global_batch_size if training.global_batch_size > 0 else 0
+    n_micro = accumulation_steps(global_batch, training.local_batch_size, runtime.dp_size) if global_batch else 1
+    torch.manual_seed(int(training.seed or 0))
+    whole = build_model(cfg, vocab)
+    args = whole.model_args
+    fpt = flops_per_token(whole, n_layers=args.n_layers, n_heads=args.n_heads, head_dim=args.head_dim,
+                          seq_len=training.seq_len)  # fmt: skip
+    pp_mesh = runtime.world_mesh["pp"]
+    parts, stage_ids = split_for_rank(cfg, whole, pp_mesh.get_local_rank(), pp_mesh.size())
+    for part in parts:
+        _parallelize(cfg, runtime, part)
+    comm = MeshCommDebugMode(group_names(runtime.world_mesh))
+    fakes = contextlib.ExitStack()
+    if fake:
+        fakes.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+        fakes.enter_context(RealTensorsStayReal())
+    with fakes, track_live_bytes() as live:
+        for part in parts:
+            _allocate(cfg, part, runtime.device, fake=fake)
+        model = assemble_pipeline(cfg, runtime, whole, parts, stage_ids)
+        optimizer = _optimizer(cfg, model)
+        shape = (training.local_batch_size, training.seq_len)
+        micro = [(_tokens(vocab, shape, runtime.device), _tokens(vocab, shape, runtime.device)) for _ in range(n_micro)]
+        position = StepPosition(list(parts), optimizer)
+        live.where, live.stage = position.where, position.stage
+        live.reset_peak()
+        live.flops = 0
+        micro = runtime.shard_sequences(micro)
+        with comm:
+            targets = global_target_count([y for _, y in micro], runtime.dp_cp_mesh)
+            pipeline_train_step(
+                model.pipeline, optimizer, micro, targets=targets, grad_average_size=runtime.grad_average_size,
+                max_norm=training.max_norm, use_loss_parallel=runtime.loss_parallel,
+            )  # fmt: skip
+        params = [_local(q) for q in model.parameters()]
+        grads = [_local(q.grad) for q in model.parameters() if q.grad is not None]
+        states = [_local(v) for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        memory = live.report(params=params, grads=grads, optimizer=states)
+        position.remove()
+        flops = live.flops
+    return StepTrace(
+        memory=memory, collectives=comm.collectives(),
+        comm_counts={_kind(k): v for k, v in comm.get_comm_counts().items()},
+        comm_bytes={_kind(k): v for k, v in comm.get_comm_bytes().items()},
+        executed_flops=flops, flops_per_token=fpt, local_tokens=n_micro * shape[0] * shape[1],
+        n_layers=sum(len(part.layers) for part in parts),
+    )  # fmt: skip
+
+
 class StepPosition:
     """Where the step is, for the peak's report: the stage (forward / backward / optimizer), and the module
     last entered in the forward or the block whose backward runs (a hook on each block's output gradient,
     which holds nothing past its call)."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, models: list[torch.nn.Module], optimizer: torch.optim.Optimizer) -> None:
         self.module, self.stepping = "", False
-        names = {id(m): name for name, m in model.named_modules() if name}
+        names = {id(m): name for model in models for name, m in model.named_modules() if name}
         self._handles = [
             register_module_forward_pre_hook(lambda m, _: self._enter(names.get(id(m)))),
             optimizer.register_step_pre_hook(lambda *_: setattr(self, "stepping", True)),
         ]
-        for name, block in model.layers.items():  # type: ignore[union-attr, operator]
-            self._handles.append(block.register_forward_hook(self._block_hook(f"layers.{name}")))
+        for model in models:  # a pipeline rank's parts, or the one model
+            for name, block in model.layers.items():  # type: ignore[union-attr, operator]
+                self._handles.append(block.register_forward_hook(self._block_hook(f"layers.{name}")))
 
     def _enter(self, name: str | None) -> None:
         if name is not None:
@@ -331,6 +393,8 @@ SAMPLED_LAYERS = (2, 4)  # blocks traced when sampling: even counts keep every-o
 def trace_step_sampled(cfg: JobConfig, runtime: Runtime, *, fake: bool = True) -> StepTrace:
     """`trace_step` of the whole model from two short traces (SAMPLED_LAYERS blocks), extrapolated: a 126-block
     model costs what a 4-block one does. Falls back to the whole model when it has no more blocks than that."""
+    if runtime.parallel_dims.pp_enabled:
+        return trace_pipeline_step(cfg, runtime, fake=fake)
     n_layers = llama3_configs[cfg.model.flavor].n_layers
     k1, k2 = SAMPLED_LAYERS
     if n_layers <= k2:

@@ -9,6 +9,11 @@ row, the mesh order pp, dp_replicate, dp_shard, cp, tp putting tp innermost), el
 sent per rank follow the ring volumes of parallelisms.dtensor.cost.RING_VOLUME, from the payload the
 rank hands the collective (an all-gather's payload is its shard, so it sends (n-1) x payload).
 
+Pipeline parallelism: each role (first and last stage) is traced on its own rank; the step takes the
+schedule's makespan, simulated (parallelisms.pipeline_parallel.simulate) with the forward one unit and the
+backward two: compute x (makespan / the busiest rank's busy time). Point-to-point passes are priced at
+their sends, exposed.
+
 Exposure: tensor- and context-parallel collectives sit on the critical path (no async TP): fully exposed
 (ring attention's passes overlap its block kernels in practice; the estimate does not credit that). A
 point-to-point pass is priced at its send; its receive costs nothing more.
@@ -65,6 +70,7 @@ class StepTime:
     exposed_s: dict[str, float]  # per mesh dim, the part on the critical path
     inter_node: dict[str, bool]  # per mesh dim, whether it is priced on the network
     step_s: float
+    bubble_s: float = 0.0  # pipeline parallelism: the rank's idle time in the schedule
 
 
 def collective_seconds(c: Collective, dims: ParallelDims, device: Device, gpus_per_node: int) -> float:
@@ -79,9 +85,13 @@ def collective_seconds(c: Collective, dims: ParallelDims, device: Device, gpus_p
     return c.count * link.latency_s + _volume(c.kind, c.bytes, size) / link.bandwidth_bytes_per_s
 
 
-def price_step(trace: StepTrace, dims: ParallelDims, device: Device, gpus_per_node: int) -> StepTime:
-    """The step time of `trace` on `device` (see the module docstring)."""
+def price_step(
+    trace: StepTrace, dims: ParallelDims, device: Device, gpus_per_node: int, *, pipeline_stretch: float = 1.0
+) -> StepTime:
+    """The step time of `trace` on `device` (see the module docstring). `pipeline_stretch`: the schedule's
+    makespan over one rank's busy time (`pipeline_stretch`); the rest of it is the rank's bubble."""
     compute_s = trace.executed_flops / (device.peak_tflops * 1e12 * device.efficiency)
+    bubble_s = compute_s * (pipeline_stretch - 1)
     comm: dict[str, float] = {}
     for c in trace.collectives:
         comm[c.mesh_dim] = comm.get(c.mesh_dim, 0.0) + collective_seconds(c, dims, device, gpus_per_node)
@@ -93,4 +103,13 @@ def price_step(trace: StepTrace, dims: ParallelDims, device: Device, gpus_per_no
             exposed[dim] = seconds
     known = (*MESH_ORDER, *FLATTENED)
     inter = {dim: spans_nodes(dims, dim if dim in known else "world", gpus_per_node) for dim in comm}
-    return StepTime(compute_s, comm, exposed, inter, compute_s + sum(exposed.values()))
+    return StepTime(compute_s, comm, exposed, inter, compute_s + bubble_s + sum(exposed.values()), bubble_s)
+
+
+def pipeline_stretch(schedule: str, pp: int, stages_per_rank: int, microbatches: int) -> float:
+    """The makespan of the schedule over the busiest rank's compute (F = 1, B = 2, or I = W = 1), simulated."""
+    from parallelisms.pipeline_parallel import Costs, get_schedule, simulate
+
+    spec = get_schedule(schedule)
+    result = simulate(spec.generate(pp, stages_per_rank, microbatches), Costs())
+    return result.makespan / max(result.busy.values())

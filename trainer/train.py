@@ -227,8 +227,14 @@ def build_parallel_model(cfg: JobConfig, runtime: Runtime, vocab_size: int) -> n
         init_model(part, runtime.device)
         if cfg.training.dtype == "bfloat16":  # torchtitan's training.dtype: no float32 master weights at all
             part.to(torch.bfloat16)
-    if not pp:
-        return whole
+    return assemble_pipeline(cfg, runtime, whole, parts, stage_ids) if pp else whole
+
+
+def assemble_pipeline(
+    cfg: JobConfig, runtime: Runtime, whole: Transformer, parts: list[Transformer], stage_ids: list[int]
+) -> PipelineParts:
+    """This rank's parallelized, allocated parts as one model, with their stages and schedule (`.pipeline`)."""
+    p = cfg.parallelism
     model = PipelineParts(parts, whole)
     pp_mesh = runtime.world_mesh["pp"]
     stages = build_stages(cfg, whole, parts, stage_ids, pp_mesh, runtime.device)
