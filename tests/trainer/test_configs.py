@@ -42,7 +42,7 @@ def build_on_meta(config: str, world_size: int) -> dict:
         "global": sum(p.numel() for p in params),
         "local": sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in params),
         "meta": all(p.is_meta for p in params),
-        "mesh": [dims.dp_replicate, dims.dp_shard, dims.tp],
+        "mesh": [dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp],
     }
 
 
@@ -68,6 +68,7 @@ def test_production_flavor_builds_and_shards_on_meta_with_its_parameter_count(co
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["global"] == published, report
     assert report["meta"], "a parameter left the meta device"
-    dp_replicate, dp_shard, tp = report["mesh"]
-    assert dp_replicate * dp_shard * tp == world_size
-    assert report["local"] <= published // (dp_shard * tp) * 1.01 + 2**20, report  # one rank holds ~1/(dp x tp)
+    dp_replicate, dp_shard, tp, pp = report["mesh"]
+    assert dp_replicate * dp_shard * tp * pp == world_size
+    # the whole model parallelized (a PP rank keeps only its stages of it): one rank holds ~1/(dp x tp)
+    assert report["local"] <= published // (dp_shard * tp) * 1.01 + 2**20, report
