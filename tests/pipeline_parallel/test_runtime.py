@@ -115,19 +115,25 @@ def test_fsdp_actions_are_refused_naming_how_fsdp_runs_instead() -> None:
         PipelineSchedule([], [a for a in actions if a is not None], _loss)
 
 
-def _fsdp_reduce_scatters(sync_grads: bool) -> tuple[int, bool]:
-    """PP(2) x FSDP(2) on 4 ranks, 4 microbatches of 1F1B: the reduce-scatters of one step, and whether
-    the stage's gradients equal the whole model's (the same data on both dp ranks)."""
+def _fsdp_reduce_scatters(sync_grads: bool, hsdp: bool = False) -> tuple[int, bool] | tuple[int, int, bool]:
+    """PP(2) x FSDP(2) on 4 ranks (or PP(2) x HSDP(2, 2) on 8), 4 microbatches of 1F1B: the reduce-scatters
+    (and HSDP's all-reduces) of one step, and whether the stage's gradients equal the whole model's (the
+    same data on every dp rank)."""
     from parallelisms.dtensor import init_device_mesh
     from parallelisms.dtensor.debug import CommDebugMode
     from parallelisms.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    if hsdp:
+        mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp_replicate", "dp_shard"))
+        dp_mesh = mesh["dp_replicate", "dp_shard"]
+    else:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+        dp_mesh = mesh["dp"]
     pp_rank, m = mesh.get_local_rank("pp"), 4
     spec = get_schedule("1F1B")
     mapping = stage_to_rank(2, 1, spec.placement)
     model = _whole_model(2)
-    part = fully_shard(_stage_part(model, pp_rank), mesh=mesh["dp"])
+    part = fully_shard(_stage_part(model, pp_rank), mesh=dp_mesh)
     meta = BoundaryMeta((MB, DIM), torch.float32)
     stage = PipelineStage(part, pp_rank, 2, mesh["pp"].get_group(), mapping, torch.device("cpu"),
                           None if pp_rank == 0 else meta, None if pp_rank == 1 else meta)  # fmt: skip
@@ -135,14 +141,16 @@ def _fsdp_reduce_scatters(sync_grads: bool) -> tuple[int, bool]:
     inputs, targets = _microbatches(m)
     with CommDebugMode() as comm:
         PipelineSchedule([stage], actions, _loss).step(inputs, targets, sync_grads=sync_grads)
-    scatters = comm.get_comm_counts().get(torch.ops.c10d_functional.reduce_scatter_tensor, 0)
+    counts = comm.get_comm_counts()
+    scatters = counts.get(torch.ops.c10d_functional.reduce_scatter_tensor, 0)
+    reduces = counts.get(torch.ops.c10d_functional.all_reduce, 0)
     reference = _whole_model(2)
     sum(_loss(reference(x), y) for x, y in zip(inputs, targets)).backward()  # type: ignore[union-attr]
     expected = [p.grad for p in _stage_part(reference, pp_rank).parameters()]
     got = [p.grad.full_tensor() for p in part.parameters()] if sync_grads else []
     # FSDP averages over its 2 ranks, which saw the same microbatches: the gradient of one of them
     same = all(torch.allclose(g, e, rtol=1e-5, atol=1e-6) for g, e in zip(got, expected))
-    return scatters, same
+    return (scatters, reduces, same) if hsdp else (scatters, same)
 
 
 def test_fsdp_inside_a_stage_reduces_once_per_step_in_its_last_backward() -> None:
@@ -150,3 +158,8 @@ def test_fsdp_inside_a_stage_reduces_once_per_step_in_its_last_backward() -> Non
         assert scatters == 1 and same, (scatters, same)  # one group, one reduce-scatter for 4 microbatches
     for scatters, _ in run_world(_fsdp_reduce_scatters, 4, False):
         assert scatters == 0  # accumulating across calls: nothing reduced yet
+
+
+def test_hsdp_inside_a_stage_reduce_scatters_and_all_reduces_once_per_step() -> None:
+    for scatters, reduces, same in run_world(_fsdp_reduce_scatters, 8, True, True):  # type: ignore[misc]
+        assert (scatters, reduces, same) == (1, 1, True)  # 4 microbatches: one of each for the group

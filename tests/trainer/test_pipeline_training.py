@@ -54,7 +54,7 @@ def test_pipelined_training_follows_one_process(
     assert len(losses) == 4 and losses == pytest.approx(one_process, abs=2e-4), (one_process, losses)
 
 
-def test_a_pipelined_checkpoint_resumes_bitwise_and_reshards_into_fsdp(tmp_path: Path) -> None:
+def test_a_pipelined_checkpoint_resumes_bitwise_reshards_into_fsdp_and_converts_to_hf(tmp_path: Path) -> None:
     ckpt = ["--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.last_save_model_only", "false"]
     straight = _losses(run_world(_train_rank, 2, [*JOB, *ckpt, *PP2, "--job.dump_folder", str(tmp_path / "pp")])[0])
     for name, world, layout in (("pp_again", 2, PP2), ("fsdp", 2, ["--training.local_batch_size", "2"])):
@@ -66,6 +66,14 @@ def test_a_pipelined_checkpoint_resumes_bitwise_and_reshards_into_fsdp(tmp_path:
             assert resumed == straight[2:], (straight, resumed)
         else:
             assert resumed == pytest.approx(straight[2:], abs=2e-4), (straight, resumed)
+    # the two stages wrote disjoint FQNs: convert sees one model, there and back bitwise
+    from checkpoint import convert
+    from tests.checkpoint.test_convert import _assert_bitwise, _saved_model
+
+    saved = tmp_path / "pp" / "checkpoint" / "step-2"
+    assert convert.main(["to-hf", str(saved), str(tmp_path / "hf")]) == 0
+    assert convert.main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "back")]) == 0
+    _assert_bitwise(_saved_model(tmp_path / "back"), _saved_model(saved))
 
 
 @pytest.mark.parametrize(
