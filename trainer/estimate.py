@@ -32,6 +32,7 @@ from .estimate_step import StepTrace, trace_step_sampled
 from .estimate_time import StepTime, collective_seconds, pipeline_stretch, price_step
 from .job_config import JobConfig
 from .pipeline import stages_per_rank
+from .pipeline_schedule import schedule_spec
 from .preflight import check_config
 from .runtime import build_runtime, resolve_precision
 from .train import build_parallel_dims
@@ -156,7 +157,7 @@ def estimate(cfg: JobConfig, world_size: int, device: Device, *, nodes_of: int |
     if dims.pp_enabled:
         p = cfg.parallelism
         microbatches = cfg.training.local_batch_size // p.pipeline_parallel_microbatch_size
-        stretch = pipeline_stretch(p.pipeline_parallel_schedule, dims.pp, stages_per_rank(cfg), microbatches)
+        stretch = pipeline_stretch(schedule_spec(cfg), dims.pp, stages_per_rank(cfg), microbatches)
     roles = []
     for name, ranks in roles_of(dims, world_size):
         init_fake_world(world_size, ranks[0])

@@ -28,6 +28,7 @@ import math
 from dataclasses import dataclass
 
 from parallelisms.parallel_dims import FLATTENED, MESH_ORDER, ParallelDims
+from parallelisms.pipeline_parallel import Costs, ScheduleSpec, simulate
 
 from .devices import Device
 from .estimate_step import Collective, StepTrace
@@ -106,10 +107,7 @@ def price_step(
     return StepTime(compute_s, comm, exposed, inter, compute_s + bubble_s + sum(exposed.values()), bubble_s)
 
 
-def pipeline_stretch(schedule: str, pp: int, stages_per_rank: int, microbatches: int) -> float:
+def pipeline_stretch(spec: ScheduleSpec, pp: int, stages_per_rank: int, microbatches: int) -> float:
     """The makespan of the schedule over the busiest rank's compute (F = 1, B = 2, or I = W = 1), simulated."""
-    from parallelisms.pipeline_parallel import Costs, get_schedule, simulate
-
-    spec = get_schedule(schedule)
     result = simulate(spec.generate(pp, stages_per_rank, microbatches), Costs())
     return result.makespan / max(result.busy.values())

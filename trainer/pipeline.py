@@ -27,13 +27,14 @@ from torch import nn
 from models.llama3 import Transformer
 from models.llama3.pipeline import module_fqns_per_stage, split_model, tied_across_stages
 from parallelisms.dtensor import DeviceMesh, DTensor
-from parallelisms.pipeline_parallel import get_schedule, lower_schedule, stage_to_rank
+from parallelisms.pipeline_parallel import ScheduleSpec, lower_schedule, stage_to_rank
 from parallelisms.pipeline_parallel.runtime import PipelineSchedule
 from parallelisms.pipeline_parallel.stage import BoundaryMeta, PipelineStage
 from parallelisms.tensor_parallel import loss_parallel
 
 from .job_config import JobConfig
 from .loss import IGNORE_INDEX
+from .pipeline_schedule import schedule_spec
 from .step import MicroBatches, StepResult
 
 STAGES_PER_RANK_MULTI = 2  # torchtitan's default for the looped schedules without layers_per_stage
@@ -76,9 +77,11 @@ class PipelineParts(nn.Module):
 
 def stages_per_rank(cfg: JobConfig) -> int:
     p = cfg.parallelism
-    spec = get_schedule(p.pipeline_parallel_schedule)
+    spec = schedule_spec(cfg)
     if spec.single_stage:
         return 1
+    if spec.stages_per_rank is not None:  # a CSV schedule: the file's
+        return spec.stages_per_rank
     if p.pipeline_parallel_layers_per_stage:
         return max(1, math.ceil(_n_layers(cfg) / p.pipeline_parallel_layers_per_stage / p.pipeline_parallel_degree))
     return STAGES_PER_RANK_MULTI
@@ -111,7 +114,7 @@ class Pipeline:
 
     model: PipelineParts
     stages: list[PipelineStage]
-    schedule_name: str
+    schedule: ScheduleSpec
     num_microbatches: int
     pp_group: dist.ProcessGroup
     tie_group: dist.ProcessGroup | None = None  # the first and the last stage's ranks, when they share a weight
@@ -120,7 +123,7 @@ class Pipeline:
         self, loss_fn: object, num_microbatches: int | None = None, loss_context: object = None
     ) -> PipelineSchedule:
         pp, rank = self.pp_group.size(), self.pp_group.rank()
-        spec = get_schedule(self.schedule_name)
+        spec = self.schedule
         per_rank, m = len(self.stages), num_microbatches or self.num_microbatches
         mapping = stage_to_rank(pp, per_rank, spec.placement)
         lowered = lower_schedule(spec.generate(pp, per_rank, m), mapping, m)
@@ -136,7 +139,7 @@ def build_stages(
     parameters' compute dtype (float32 on the CPU)."""
     pp = pp_mesh.size()
     num_stages = pp * len(parts)
-    mapping = stage_to_rank(pp, len(parts), get_schedule(cfg.parallelism.pipeline_parallel_schedule).placement)
+    mapping = stage_to_rank(pp, len(parts), schedule_spec(cfg).placement)
     bf16 = device.type == "cuda" and cfg.training.mixed_precision_param == "bfloat16"
     # context parallelism: each cp rank holds T/cp tokens; sequence parallelism: each TP rank sends T/(cp tp)
     share = cfg.parallelism.tensor_parallel_degree * cfg.parallelism.context_parallel_degree
@@ -154,7 +157,7 @@ def split_for_rank(cfg: JobConfig, whole: Transformer, pp_rank: int, pp: int) ->
     per_rank = stages_per_rank(cfg)
     num_stages = pp * per_rank
     fqns = stage_fqns(cfg, num_stages, whole.model_args.n_layers)
-    placement = get_schedule(cfg.parallelism.pipeline_parallel_schedule).placement
+    placement = schedule_spec(cfg).placement
     mine = [s for s, r in stage_to_rank(pp, per_rank, placement).items() if r == pp_rank]
     return [split_model(whole, fqns[s]) for s in mine], mine
 

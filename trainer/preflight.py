@@ -114,9 +114,10 @@ def _feature_warnings(cfg: JobConfig) -> list[str]:
     """Keys whose effect is only speed, set where they cannot act: the job runs, and says so."""
     p, warnings = cfg.parallelism, []
     if p.pipeline_parallel_degree > 1 and p.pipeline_parallel_microbatch_size >= 1:
-        from parallelisms.pipeline_parallel import get_schedule  # pure Python
+        from .pipeline_schedule import schedule_spec  # pure Python
 
-        stages = p.pipeline_parallel_degree * (1 if get_schedule(p.pipeline_parallel_schedule).single_stage else 2)
+        spec = schedule_spec(cfg)
+        stages = p.pipeline_parallel_degree * (spec.stages_per_rank or (1 if spec.single_stage else 2))
         m = cfg.training.local_batch_size // p.pipeline_parallel_microbatch_size
         if m < stages:
             warnings.append(
@@ -224,14 +225,9 @@ def _check_pipeline(cfg: JobConfig) -> None:
         return
     from models.llama3.args import llama3_configs  # dataclasses only, no torch
     from models.llama3.stage_split import module_fqns_per_stage
-    from parallelisms.pipeline_parallel import get_schedule
 
-    spec = get_schedule(p.pipeline_parallel_schedule)
-    if p.pipeline_parallel_schedule_csv:
-        raise NotImplementedError(
-            'parallelism.pipeline_parallel_schedule_csv: the trainer does not run CSV schedules yet; set it to "" '
-            "and pick a parallelism.pipeline_parallel_schedule"
-        )
+    from .pipeline_schedule import schedule_spec
+
     mb = p.pipeline_parallel_microbatch_size
     for key, batch in (
         ("training.local_batch_size", training.local_batch_size),
@@ -247,6 +243,14 @@ def _check_pipeline(cfg: JobConfig) -> None:
             f"validation.seq_len({cfg.validation.seq_len}) under pipeline parallelism must be training.seq_len "
             f"(or 0): the stages' boundary activations have one shape"
         )
+    spec = schedule_spec(cfg)  # a CSV schedule's file is read and checked here
+    val_batch = cfg.validation.local_batch_size or training.local_batch_size
+    if p.pipeline_parallel_schedule_csv and cfg.validation.enable and val_batch != training.local_batch_size:
+        raise NotImplementedError(
+            f"validation.local_batch_size({val_batch}) with parallelism.pipeline_parallel_schedule_csv must be "
+            f"training.local_batch_size({training.local_batch_size}) (or 0): the file schedules that many "
+            f"microbatches"
+        )
     if cfg.model.flavor in llama3_configs:
         args = llama3_configs[cfg.model.flavor]
         if args.tie_word_embeddings and spec.placement == "v":
@@ -254,7 +258,7 @@ def _check_pipeline(cfg: JobConfig) -> None:
                 f"model.flavor={cfg.model.flavor!r} ties its embedding and output, which the V placement of "
                 f"{spec.name} puts on one rank as two stages; use 1F1B or Interleaved1F1B for it"
             )
-        per_rank = 1 if spec.single_stage else 2
+        per_rank = spec.stages_per_rank or (1 if spec.single_stage else 2)
         if not p.module_fqns_per_model_part:
             module_fqns_per_stage(
                 pp * per_rank, args.n_layers, first_stage_less_layers=p.pipeline_parallel_first_stage_less_layers,
@@ -274,11 +278,12 @@ def _check_split_backward_alone(cfg: JobConfig, dp: int) -> None:
     p = cfg.parallelism
     if p.pipeline_parallel_degree <= 1 or dp <= 1:
         return
-    from parallelisms.pipeline_parallel import get_schedule
+    from .pipeline_schedule import schedule_spec
 
-    if get_schedule(p.pipeline_parallel_schedule).split_backward:
+    spec = schedule_spec(cfg)
+    if spec.split_backward:
         raise NotImplementedError(
-            f"parallelism.pipeline_parallel_schedule={p.pipeline_parallel_schedule!r} (split backward) with data "
+            f"parallelism.pipeline_parallel_schedule={spec.name!r} (split backward) with data "
             f"parallelism inside the stages (degree {dp}) is not supported yet; use 1F1B or Interleaved1F1B, or set "
             f"parallelism.data_parallel_shard_degree=1 and data_parallel_replicate_degree=1"
         )

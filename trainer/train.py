@@ -52,6 +52,7 @@ from .pipeline import (
     pipeline_train_step,
     split_for_rank,
 )
+from .pipeline_schedule import schedule_spec
 from .preemption import PreemptionWatch
 from .preflight import check_config
 from .profiling import Profiler
@@ -241,7 +242,7 @@ def assemble_pipeline(
     micro = cfg.training.local_batch_size // p.pipeline_parallel_microbatch_size
     tie_group = build_tie_group(runtime.world_mesh, whole.model_args.tie_word_embeddings)
     model.__dict__["pipeline"] = Pipeline(
-        model, stages, p.pipeline_parallel_schedule, micro, pp_mesh.get_group(), tie_group=tie_group
+        model, stages, schedule_spec(cfg), micro, pp_mesh.get_group(), tie_group=tie_group
     )
     return model
 

@@ -8,7 +8,7 @@ A schedule is ``dict[rank, list[Action | None]]`` made by one pure function of (
 from .actions import Action, ActionKind, Schedule, format_schedule
 from .lowering import add_reduce_grad, add_send_recv, add_unshard_reshard, defer_recvs, lower_schedule
 from .placement import StagePlacement, rank_to_stages, stage_to_rank
-from .schedule_csv import read_schedule_csv, schedule_from_csv, schedule_to_csv, write_schedule_csv
+from .schedule_csv import csv_schedule_spec, read_schedule_csv, schedule_from_csv, schedule_to_csv, write_schedule_csv
 from .schedules import (
     SCHEDULES,
     ScheduleSpec,
@@ -25,6 +25,7 @@ from .validation import validate_schedule
 
 __all__ = [
     "SCHEDULES",
+    "csv_schedule_spec",
     "Action",
     "ActionKind",
     "Costs",

@@ -11,9 +11,12 @@ import csv
 import io
 from pathlib import Path
 
-from .actions import Action, Schedule
+from .actions import Action, ActionKind, Schedule
+from .placement import StagePlacement, stage_to_rank
+from .schedules import ScheduleSpec
+from .validation import validate_schedule
 
-__all__ = ["read_schedule_csv", "schedule_from_csv", "schedule_to_csv", "write_schedule_csv"]
+__all__ = ["csv_schedule_spec", "read_schedule_csv", "schedule_from_csv", "schedule_to_csv", "write_schedule_csv"]
 
 
 def schedule_to_csv(schedule: Schedule) -> str:
@@ -54,3 +57,42 @@ def read_schedule_csv(path: str | Path) -> Schedule:
     if not path.is_file():
         raise ValueError(f"pipeline_parallel_schedule_csv {str(path)!r} is not a file")
     return schedule_from_csv(path.read_text(), source=str(path))
+
+
+def csv_schedule_spec(path: str | Path, pp: int, num_microbatches: int) -> ScheduleSpec:
+    """The CSV file's schedule as a ``ScheduleSpec`` (torchtitan's ``pipeline_parallel_schedule_csv``).
+
+    Only its compute actions are kept; the lowering derives the transfers and FSDP actions as for the named
+    schedules. Its stages per rank, the placement (looped or V) and whether the backward is split are read off
+    the actions, which must cover ``num_microbatches`` on ``pp`` ranks (validate_schedule's checks).
+    """
+    source = read_schedule_csv(path)
+    if sorted(source) != list(range(pp)):
+        raise ValueError(f"pipeline_parallel_schedule_csv {str(path)!r} has {len(source)} rows; it needs one per "
+                         f"pipeline rank, pipeline_parallel_degree={pp}")  # fmt: skip
+    schedule: Schedule = {r: [a for a in acts if a is not None and a.kind.is_compute] for r, acts in source.items()}
+    stages = {a.stage for actions in schedule.values() for a in actions if a is not None}
+    num_stages = max(stages, default=-1) + 1
+    if num_stages == 0 or num_stages % pp:
+        raise ValueError(f"pipeline_parallel_schedule_csv {str(path)!r} runs {num_stages} stages; a multiple of "
+                         f"pipeline_parallel_degree={pp} is needed (the same number on every rank)")  # fmt: skip
+    mapping = validate_schedule(schedule, num_stages, num_microbatches)
+    per_rank = num_stages // pp
+    placement = next((p for p in StagePlacement if stage_to_rank(pp, per_rank, p) == mapping), None)
+    if placement is None:
+        raise ValueError(f"pipeline_parallel_schedule_csv {str(path)!r} places stages {mapping}: neither "
+                         f"looped (rank r runs r, r + pp, ...) nor V; the model splits for one of those")  # fmt: skip
+    kinds = {a.kind for actions in schedule.values() for a in actions if a is not None}
+
+    def generate(pp_: int, stages_per_rank: int, microbatches: int) -> Schedule:
+        if (pp_, stages_per_rank, microbatches) != (pp, per_rank, num_microbatches):
+            raise ValueError(
+                f"pipeline_parallel_schedule_csv {str(path)!r} is for pp {pp}, {per_rank} stages per rank and "
+                f"{num_microbatches} microbatches, not ({pp_}, {stages_per_rank}, {microbatches})"
+            )
+        return {r: list(actions) for r, actions in schedule.items()}
+
+    return ScheduleSpec(
+        name=f"csv:{path}", generate=generate, placement=placement, single_stage=per_rank == 1,
+        split_backward=bool(kinds & {ActionKind.I, ActionKind.W}), stages_per_rank=per_rank,
+    )  # fmt: skip

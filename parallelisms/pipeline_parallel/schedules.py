@@ -144,6 +144,8 @@ class ScheduleSpec:
     """Exactly one stage per rank (torch's ``PipelineScheduleSingle``); otherwise several may be."""
     split_backward: bool
     """Backward split into I (input grad) and W (weight grad)."""
+    stages_per_rank: int | None = None
+    """Fixed by a custom (CSV) schedule; None: the named schedules take any count their placement allows."""
 
 
 SCHEDULES: Mapping[str, ScheduleSpec] = MappingProxyType(

@@ -76,11 +76,26 @@ def test_a_pipelined_checkpoint_resumes_bitwise_reshards_into_fsdp_and_converts_
     _assert_bitwise(_saved_model(tmp_path / "back"), _saved_model(saved))
 
 
+def test_a_csv_schedule_trains_like_the_named_one(tmp_path: Path, one_process: list[float]) -> None:
+    """torchtitan's pipeline_parallel_schedule_csv: Interleaved1F1B written out as a CSV (2 stages per rank, read
+    off the file) trains as one process; a file missing a microbatch is refused in the pre-flight."""
+    from parallelisms.pipeline_parallel import interleaved_1f1b, write_schedule_csv
+
+    write_schedule_csv(interleaved_1f1b(2, 2, 4), tmp_path / "schedule.csv")
+    csv = ["--parallelism.pipeline_parallel_schedule_csv", str(tmp_path / "schedule.csv")]
+    losses = _losses(run_world(_train_rank, 2, [*JOB, *PP2, *csv, "--job.dump_folder", str(tmp_path / "run")])[0])
+    assert losses == pytest.approx(one_process, abs=2e-4), (one_process, losses)
+    write_schedule_csv(interleaved_1f1b(2, 2, 2), tmp_path / "short.csv")
+    cfg = load_config([*JOB, *PP2, "--parallelism.pipeline_parallel_schedule_csv", str(tmp_path / "short.csv")])
+    message = r"pipeline_parallel_schedule_csv, for 4 microbatches .*: stage 0 never runs F for microbatches \[2, 3\]"
+    with pytest.raises(ValueError, match=message):
+        check_config(cfg, world_size=2)
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
         (["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"], "split backward. with data parallelism"),
-        (["--parallelism.pipeline_parallel_schedule_csv", "x.csv"], "does not run CSV schedules"),
         (["--validation.enable", "--validation.seq_len", "32"], "validation.seq_len.32. under pipeline"),
         (["--parallelism.pipeline_parallel_microbatch_size", "3"], "must be a multiple of"),
         (
