@@ -1,12 +1,15 @@
 """Point-to-point transfers between pipeline stages: the only file of the package calling torch.distributed.
 
-A send or receive is posted at once (isend / irecv) and waited where its data is needed. Between one pair of
-ranks, transfers match in the order both post them (c10d's untagged p2p), which the schedules guarantee.
+The schedule's consecutive SEND/RECV actions are posted together, as one `batch_isend_irecv` (torch's
+pipelining batches the same way): NCCL runs a batch's sends and receives as one group, where separately
+posted sends that meet each other on two ranks can wait forever. Each transfer is waited where its data is
+needed (a receive) or at the end of the step (a send). Between one pair of ranks, transfers match in the order
+both post them (c10d's untagged p2p), which the schedules guarantee.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -16,31 +19,62 @@ from .stage import BoundaryMeta
 
 
 @dataclass
+class _Posted:
+    """One posted batch: waiting on any of its transfers waits for all of them (NCCL may return one work)."""
+
+    works: list[Any] = field(default_factory=list)
+    done: bool = False
+
+    def wait(self) -> None:
+        if not self.done:
+            for work in self.works:
+                work.wait()
+            self.done = True
+
+
+@dataclass
 class PendingRecv:
     buffer: torch.Tensor
-    work: Any
+    batch: _Posted
 
     def wait(self) -> torch.Tensor:
-        self.work.wait()
+        self.batch.wait()
         return self.buffer
 
 
 @dataclass
 class PendingSend:
     tensor: torch.Tensor  # referenced until the send completes: the backend reads it
-    work: Any
+    batch: _Posted
 
     def wait(self) -> None:
-        self.work.wait()
+        self.batch.wait()
 
 
-def post_recv(meta: BoundaryMeta, src: int, device: torch.device) -> PendingRecv:
-    """Receive a `meta`-shaped tensor from global rank `src`."""
-    buffer = torch.empty(meta.shape, dtype=meta.dtype, device=device)
-    return PendingRecv(buffer, dist.irecv(buffer, src=src))
+class Transfers:
+    """The transfers of a run of consecutive SEND/RECV actions, gathered by `recv` / `send` and posted by `post`
+    (before the next compute action, and at the end of the step)."""
 
+    def __init__(self) -> None:
+        self._ops: list[dist.P2POp] = []
+        self._batch = _Posted()
+        self.batches = 0  # posted so far
 
-def post_send(tensor: torch.Tensor, dst: int) -> PendingSend:
-    """Send `tensor` to global rank `dst`."""
-    tensor = tensor.contiguous()
-    return PendingSend(tensor, dist.isend(tensor, dst=dst))
+    def recv(self, meta: BoundaryMeta, src: int, device: torch.device) -> PendingRecv:
+        """Receive a `meta`-shaped tensor from global rank `src`."""
+        buffer = torch.empty(meta.shape, dtype=meta.dtype, device=device)
+        self._ops.append(dist.P2POp(dist.irecv, buffer, src))
+        return PendingRecv(buffer, self._batch)
+
+    def send(self, tensor: torch.Tensor, dst: int) -> PendingSend:
+        """Send `tensor` to global rank `dst`."""
+        tensor = tensor.contiguous()
+        self._ops.append(dist.P2POp(dist.isend, tensor, dst))
+        return PendingSend(tensor, self._batch)
+
+    def post(self) -> None:
+        if not self._ops:
+            return
+        self._batch.works = list(dist.batch_isend_irecv(self._ops))
+        self._ops, self._batch = [], _Posted()
+        self.batches += 1

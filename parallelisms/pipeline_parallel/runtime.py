@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from .actions import Action, ActionKind
-from .p2p import PendingRecv, PendingSend, post_recv, post_send
+from .p2p import PendingRecv, PendingSend, Transfers
 from .stage import PipelineStage
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (last stage's output, target) -> loss
@@ -38,6 +38,7 @@ _RUNNABLE = {
     ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W,
     ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B,
 }  # fmt: skip
+_P2P = {ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B}
 
 
 @dataclass
@@ -61,6 +62,7 @@ class StepResult:
 
     losses: list[torch.Tensor] = field(default_factory=list)
     peak_live_microbatches: dict[int, int] = field(default_factory=dict)  # stage -> most activations held
+    p2p_batches: int = 0  # batch_isend_irecv calls: one per run of consecutive transfers
 
 
 class PipelineSchedule:
@@ -104,18 +106,21 @@ class PipelineSchedule:
         live: dict[tuple[int, int], _Activations] = {}
         recvs: dict[tuple[int, ActionKind, int], PendingRecv] = {}
         sends: list[PendingSend] = []
+        transfers = Transfers()
         result, result_losses = StepResult(), {}
         for index, action in enumerate(self.actions):
             stage = self.stages[action.stage]
             s, m = action.stage, action.microbatch
             assert m is not None
             kind = action.kind
+            if kind not in _P2P:
+                transfers.post()  # the run of transfers before this compute, as one batch
             if kind is ActionKind.RECV_F:
                 assert stage.input_meta is not None
-                recvs[s, kind, m] = post_recv(stage.input_meta, stage.peer(s - 1), stage.device)
+                recvs[s, kind, m] = transfers.recv(stage.input_meta, stage.peer(s - 1), stage.device)
             elif kind is ActionKind.RECV_B:
                 assert stage.output_meta is not None
-                recvs[s, kind, m] = post_recv(stage.output_meta, stage.peer(s + 1), stage.device)
+                recvs[s, kind, m] = transfers.recv(stage.output_meta, stage.peer(s + 1), stage.device)
             elif kind is ActionKind.F:
                 acts = live.setdefault((s, m), _Activations())
                 self._forward(stage, m, acts, live, recvs, inputs, targets)
@@ -123,7 +128,7 @@ class PipelineSchedule:
                 result.peak_live_microbatches[s] = max(result.peak_live_microbatches.get(s, 0), count)
             elif kind is ActionKind.SEND_F:
                 assert live[s, m].output is not None
-                sends.append(post_send(live[s, m].output.detach(), stage.peer(s + 1)))  # type: ignore[union-attr]
+                sends.append(transfers.send(live[s, m].output.detach(), stage.peer(s + 1)))  # type: ignore[union-attr]
             elif kind in (ActionKind.B, ActionKind.I):
                 sync = getattr(stage.module, "set_requires_gradient_sync", None)
                 if sync is not None:
@@ -136,9 +141,11 @@ class PipelineSchedule:
             elif kind is ActionKind.SEND_B:
                 acts = live[s, m]
                 assert acts.input_grad is not None, f"stage {s} microbatch {m}: SEND_B before its B or I"
-                sends.append(post_send(acts.input_grad, stage.peer(s - 1)))
+                sends.append(transfers.send(acts.input_grad, stage.peer(s - 1)))
                 acts.grad_gone = True
                 _release(live, s, m)
+        transfers.post()
+        result.p2p_batches = transfers.batches
         for send in sends:
             send.wait()
         if live or recvs:
@@ -158,13 +165,16 @@ class PipelineSchedule:
         recvs: dict[tuple[int, ActionKind, int], PendingRecv] = {}
         sends: list[PendingSend] = []
         losses: dict[int, torch.Tensor] = {}
+        transfers = Transfers()
         for action in self.actions:
             stage, kind = self.stages[action.stage], action.kind
             s, m = action.stage, action.microbatch
             assert m is not None or kind not in (ActionKind.F, ActionKind.SEND_F, ActionKind.RECV_F)
+            if kind is ActionKind.F:
+                transfers.post()
             if kind is ActionKind.RECV_F:
                 assert stage.input_meta is not None and m is not None
-                recvs[s, kind, m] = post_recv(stage.input_meta, stage.peer(s - 1), stage.device)
+                recvs[s, kind, m] = transfers.recv(stage.input_meta, stage.peer(s - 1), stage.device)
             elif kind is ActionKind.F:
                 assert m is not None
                 acts = live.setdefault((s, m), _Activations())
@@ -177,7 +187,8 @@ class PipelineSchedule:
                     live.pop((s, m))
             elif kind is ActionKind.SEND_F:
                 assert m is not None
-                sends.append(post_send(live.pop((s, m)).output, stage.peer(s + 1)))  # type: ignore[arg-type]
+                sends.append(transfers.send(live.pop((s, m)).output, stage.peer(s + 1)))  # type: ignore[arg-type]
+        transfers.post()
         for send in sends:
             send.wait()
         return [losses[m] for m in sorted(losses)]

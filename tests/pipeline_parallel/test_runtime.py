@@ -69,9 +69,12 @@ def _run(schedule_name: str, stages_per_rank: int, num_microbatches: int) -> dic
     sum(_loss(reference(x), y) for x, y in zip(inputs, targets)).backward()  # type: ignore[union-attr]
     expected = {f"{s}.{n}": p.grad for s in mine for n, p in _stage_part(reference, s).named_parameters()}
     ref_losses = [_loss(reference(x), y).detach() for x, y in zip(inputs, targets)]
+    p2p = [a is not None and a.kind.value.startswith(("SEND", "RECV")) for a in actions]
+    runs = sum(1 for i, is_p2p in enumerate(p2p) if is_p2p and (i == 0 or not p2p[i - 1]))
     return {
         "grads": grads, "expected": expected, "losses": result.losses, "ref_losses": ref_losses,
         "peaks": result.peak_live_microbatches, "last": num_stages - 1 in mine,
+        "batches": (result.p2p_batches, runs, sum(p2p)),
     }  # fmt: skip
 
 
@@ -95,6 +98,10 @@ def test_schedules_give_the_gradients_of_one_process(
 ) -> None:
     for rank, got in enumerate(run_world(_run, world, schedule, stages_per_rank, microbatches)):
         assert got["grads"].keys() == got["expected"].keys(), rank
+        batches, runs, transfers = got["batches"]  # one batch_isend_irecv per run of consecutive transfers
+        assert batches == runs, (batches, runs)
+        if schedule == "1F1B" and 0 < rank < world - 1:  # a middle stage's SEND_F goes with its next RECV_F
+            assert runs < transfers, (runs, transfers)
         for name, grad in got["grads"].items():
             torch.testing.assert_close(grad, got["expected"][name], rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}")
         if got["last"]:
