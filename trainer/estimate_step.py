@@ -32,13 +32,15 @@ from parallelisms.dtensor import DeviceMesh, DTensor
 from parallelisms.dtensor.debug import _COLLECTIVES, CommDebugMode, _defers_to_subclass, _nbytes
 from parallelisms.fsdp import MixedPrecisionPolicy
 from parallelisms.parallel_dims import FLATTENED
+from parallelisms.pipeline_parallel import stage_to_rank
 
 from .data_files import accumulation_steps
 from .estimate_memory import MemoryReport, track_live_bytes
 from .job_config import JobConfig
 from .metrics import flops_per_token
 from .optim import build_optimizer
-from .pipeline import pipeline_train_step, split_for_rank
+from .pipeline import pipeline_train_step, split_for_rank, stage_fqns, stages_per_rank
+from .pipeline_schedule import schedule_spec
 from .runtime import Runtime
 from .step import global_target_count, train_step
 from .tokenizer import build_model_tokenizer, model_vocab_size
@@ -260,10 +262,13 @@ def trace_step(
     )  # fmt: skip
 
 
-def trace_pipeline_step(cfg: JobConfig, runtime: Runtime, *, fake: bool, vocab_size: int | None = None) -> StepTrace:
+def trace_pipeline_step(
+    cfg: JobConfig, runtime: Runtime, *, fake: bool, vocab_size: int | None = None, blocks_per_stage: int | None = None
+) -> StepTrace:
     """`trace_step` of this rank's pipeline stages: the trainer's split, parallelization and schedule, every
-    microbatch of the step run (so the schedule's activation peak is the one measured). Not sampled: a rank
-    holds only its stages' blocks."""
+    microbatch of the step run (so the schedule's activation peak is the one measured). With `blocks_per_stage`
+    every stage keeps only that many blocks, its other modules (embedding, norm, output) as they are (see
+    `trace_step_sampled`)."""
     vocab = vocab_size or job_vocab_size(cfg)
     training = cfg.training
     global_batch = training.global_batch_size if training.global_batch_size > 0 else 0
@@ -273,6 +278,10 @@ def trace_pipeline_step(cfg: JobConfig, runtime: Runtime, *, fake: bool, vocab_s
     args = whole.model_args
     fpt = flops_per_token(whole, n_layers=args.n_layers, n_heads=args.n_heads, head_dim=args.head_dim,
                           seq_len=training.seq_len)  # fmt: skip
+    if blocks_per_stage is not None:
+        cfg = _with_blocks_per_stage(cfg, blocks_per_stage)
+        for i in range(blocks_per_stage * len(cfg.parallelism.module_fqns_per_model_part or ()), args.n_layers):
+            del whole.layers[str(i)]
     pp_mesh = runtime.world_mesh["pp"]
     parts, stage_ids = split_for_rank(cfg, whole, pp_mesh.get_local_rank(), pp_mesh.size())
     for part in parts:
@@ -390,11 +399,36 @@ def extrapolate(small: StepTrace, large: StepTrace, n_layers: int) -> StepTrace:
 SAMPLED_LAYERS = (2, 4)  # blocks traced when sampling: even counts keep every-other-layer AC's pattern
 
 
+def _stage_split(cfg: JobConfig) -> list[list[str]]:
+    return stage_fqns(cfg, cfg.parallelism.pipeline_parallel_degree * stages_per_rank(cfg),
+                      llama3_configs[cfg.model.flavor].n_layers)  # fmt: skip
+
+
+def _with_blocks_per_stage(cfg: JobConfig, k: int) -> JobConfig:
+    """`cfg` with an explicit split giving every stage k blocks (numbered stage by stage) and its other modules."""
+    split = []
+    for s, fqns in enumerate(_stage_split(cfg)):
+        split.append([f for f in fqns if not f.startswith("layers.")] + [f"layers.{s * k + i}" for i in range(k)])
+    parallelism = dataclasses.replace(cfg.parallelism, module_fqns_per_model_part=split)
+    return dataclasses.replace(cfg, parallelism=parallelism)
+
+
 def trace_step_sampled(cfg: JobConfig, runtime: Runtime, *, fake: bool = True) -> StepTrace:
     """`trace_step` of the whole model from two short traces (SAMPLED_LAYERS blocks), extrapolated: a 126-block
-    model costs what a 4-block one does. Falls back to the whole model when it has no more blocks than that."""
+    model costs what a 4-block one does. Falls back to the whole model when it has no more blocks than that.
+    Under PP each stage of this rank is traced with 1 and then 2 blocks, extrapolated to its real blocks: a
+    405B stage of 16 blocks costs what a 2-block one does."""
     if runtime.parallel_dims.pp_enabled:
-        return trace_pipeline_step(cfg, runtime, fake=fake)
+        split, pp = _stage_split(cfg), runtime.parallel_dims.pp
+        rank = runtime.world_mesh["pp"].get_local_rank()
+        mapping = stage_to_rank(pp, len(split) // pp, schedule_spec(cfg).placement)
+        mine = [s for s, r in mapping.items() if r == rank]
+        blocks = sum(sum(f.startswith("layers.") for f in split[s]) for s in mine)
+        if blocks <= 2 * len(mine):
+            return trace_pipeline_step(cfg, runtime, fake=fake)
+        small = trace_pipeline_step(cfg, runtime, fake=fake, blocks_per_stage=1)
+        large = trace_pipeline_step(cfg, runtime, fake=fake, blocks_per_stage=2)
+        return extrapolate(small, large, blocks)
     n_layers = llama3_configs[cfg.model.flavor].n_layers
     k1, k2 = SAMPLED_LAYERS
     if n_layers <= k2:

@@ -29,6 +29,8 @@ class Half(enum.Enum):
 
 @dataclass(frozen=True)
 class Block:
+    """One kernel call: which half of the queries against which half of the keys, with or without the mask."""
+
     causal: bool  # the square causal mask (only the diagonal block); else unmasked
     queries: Half
     keys: Half

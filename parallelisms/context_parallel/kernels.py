@@ -19,6 +19,7 @@ Kernel = Literal["auto", "flash", "math"]
 
 
 def choose_kernel(kernel: Kernel, q: torch.Tensor) -> Literal["flash", "math"]:
+    """The kernel "auto" means for these queries: flash where it takes their device, dtype and head dim."""
     if kernel != "auto":
         return kernel
     if q.device.type == "cpu":
@@ -66,11 +67,12 @@ def block_backward(
     n_kv = k.shape[1]
     kr, vr = _repeat_kv(k, q.shape[1]), _repeat_kv(v, q.shape[1])
     lq, lk = q.shape[2], k.shape[2]
-    empty = torch.empty(0, device=q.device, dtype=torch.int64)
+    unused = torch.empty(0, device=q.device, dtype=torch.int64)  # the RNG state: no dropout
+    # no cumulative sequence lengths: defined ones would select the variable-length (packed) kernel
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        dout, q, kr, vr, out, lse, empty, empty, lq, lk, 0.0, causal, empty, empty, scale=scale
+        dout, q, kr, vr, out, lse, None, None, lq, lk, 0.0, causal, unused, unused, scale=scale
     )
-    return dq, _sum_kv(dk, n_kv), _sum_kv(dv, n_kv)
+    return dq, _sum_kv(dk.float(), n_kv), _sum_kv(dv.float(), n_kv)  # the query groups summed in fp32
 
 
 def _repeat_kv(x: torch.Tensor, n_heads: int) -> torch.Tensor:

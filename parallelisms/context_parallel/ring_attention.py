@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from parallelisms.dtensor.device_mesh import DeviceMesh
 
@@ -27,6 +28,8 @@ ROTATE_METHODS: tuple[RotateMethod, ...] = ("allgather", "alltoall")
 
 @dataclass(frozen=True)
 class RingPlan:
+    """What one rank's ring attention does: its group, the mask, the split, how K/V travel, the kernel."""
+
     ring: RingGroup
     causal: bool
     load_balance: bool
@@ -57,7 +60,8 @@ class KVSource:
         if self.gathered is not None:
             return self.gathered[source]
         if self.step > 0:
-            self.current = self.pending.wait()  # type: ignore[union-attr]
+            assert self.pending is not None
+            self.current = self.pending.wait()
         self.step += 1
         if self.step < self.plan.ring.size:  # start the next pass before the caller computes on this one
             self.pending = start_pass(self.current, self.plan.ring)
@@ -74,8 +78,8 @@ def ring_forward(
     def attend(src: int, block: Block) -> tuple[slice, torch.Tensor, torch.Tensor]:
         kv = source.next(src)
         qs, ks = block.queries.select(q.shape[2]), block.keys.select(k.shape[2])
-        # K/V contiguous (torch's ring attention: strided K/V blocks made its loss curve bad); q as it
-        # comes, so the output keeps its (B, L, H, Dh) layout and the caller's transpose back is free
+        # K/V contiguous (torch's context parallel notes that without it "the loss curve is bad"); q as
+        # it comes, so the output keeps its (B, L, H, Dh) layout and the caller's transpose back is free
         out, lse = block_forward(
             q[:, :, qs], kv[0][:, :, ks].contiguous(), kv[1][:, :, ks].contiguous(),
             causal=block.causal, scale=scale, kernel=kernel,
@@ -85,7 +89,8 @@ def ring_forward(
     (own_src, own_block), *others = plan.blocks()
     assert own_block is not None, "a rank's queries always see its own keys"
     _, out, lse = attend(own_src, own_block)  # covers every query: the accumulators start from it
-    acc_out, acc_lse = out.float(), lse.float().clone()
+    # copies (strides kept): the merge writes into them, and selective AC may have cached the kernel's output
+    acc_out, acc_lse = out.to(torch.float32, copy=True), lse.to(torch.float32, copy=True)
     for src, block in others:
         if block is None:
             source.next(src)  # the ring still passes these K/V on
@@ -105,13 +110,16 @@ def ring_backward(
     plan: RingPlan,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of this rank's shards: each block's backward given the merged out and lse, dq kept
+    here, every block's dK/dV returned to the rank that owns it."""
     kernel = choose_kernel(plan.kernel, q)
     ring = plan.ring
     kv = torch.stack([k, v])
     source = KVSource(kv, plan)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    gathered_grads = torch.zeros((ring.size, *kv.shape), dtype=torch.float32, device=q.device) \
-        if plan.rotate_method == "allgather" else None  # fmt: skip
+    gathered_grads = None  # allgather: every block's gradient, reduce-scattered to the owners at the end
+    if plan.rotate_method == "allgather":
+        gathered_grads = torch.zeros((ring.size, *kv.shape), dtype=torch.float32, device=q.device)
     grad_pass: PendingPass | None = None
     for src, block in plan.blocks():
         kv_src = source.next(src)
@@ -134,12 +142,17 @@ def ring_backward(
     if gathered_grads is not None:
         own = reduce_scatter_blocks(gathered_grads, ring)
     else:
-        own = grad_pass.wait()  # type: ignore[union-attr]  # our block's, back from its last rank
+        assert grad_pass is not None
+        own = grad_pass.wait()  # our block's, back from its last rank
     return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype)
 
 
 class _RingAttentionFunction(torch.autograd.Function):
+    """Forward and backward each compute in their own dtypes: autocast off, so P matches its lse."""
+
     @staticmethod
+    @torch.autocast("cpu", enabled=False)
+    @torch.autocast("cuda", enabled=False)
     def forward(
         ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan, scale: float
     ) -> torch.Tensor:
@@ -149,7 +162,10 @@ class _RingAttentionFunction(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    @once_differentiable
+    @torch.autocast("cpu", enabled=False)
+    @torch.autocast("cuda", enabled=False)
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.plan, ctx.scale)
         return dq, dk, dv, None, None
@@ -176,6 +192,9 @@ class RingAttention:
         self.plan = RingPlan(RingGroup.of(cp_mesh), causal, load_balance, rotate_method, kernel)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if q.shape[2] != k.shape[2] or k.shape != v.shape:
+            raise ValueError(f"ring attention: q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} must "
+                             f"hold the same tokens (this rank's shard of one sequence)")  # fmt: skip
         if q.shape[1] % k.shape[1]:
             raise ValueError(f"ring attention: {q.shape[1]} query heads do not group over {k.shape[1]} K/V heads")
         if self.plan.load_balance and self.plan.causal and q.shape[2] % 2:

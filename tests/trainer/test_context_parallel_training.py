@@ -36,12 +36,14 @@ def _tokens(lines: list[str]) -> str:
     "world, layout",
     [
         (2, CP2),
-        (4, ["--parallelism.context_parallel_degree", "2", "--training.local_batch_size", "2"]),  # FSDP(2) x CP(2)
+        (4, ["--parallelism.context_parallel_degree", "2", "--training.local_batch_size", "2",
+             "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]),
+        # FSDP(2) x CP(2) under op-level selective AC, which keeps the ring kernels' outputs
         (4, [*CP2, "--parallelism.tensor_parallel_degree", "2"]),  # CP(2) x TP(2): seq 64 / (2 x 2 x 2)
         (4, [*CP2, "--parallelism.pipeline_parallel_degree", "2",
              "--parallelism.context_parallel_rotate_method", "alltoall"]),  # PP(2) x CP(2)
     ],
-    ids=["cp2", "fsdp2_cp2", "cp2_tp2", "pp2_cp2_alltoall"],
+    ids=["cp2", "fsdp2_cp2_selective_ac", "cp2_tp2", "pp2_cp2_alltoall"],
 )  # fmt: skip
 def test_context_parallel_training_follows_one_process(
     tmp_path: Path, one_process: list[str], world: int, layout: list[str]

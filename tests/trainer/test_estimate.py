@@ -79,7 +79,8 @@ def analytic_local_numel(config: str, dp_shard: int, tp: int) -> tuple[int, int]
 
 @pytest.mark.parametrize(("config", "world_size"), [("llama3_8b", 8), ("llama3_70b", 64), ("llama3_405b", 512)])
 def test_sharded_param_grad_optimizer_bytes_equal_the_analytic_figures(config: str, world_size: int) -> None:
-    report = estimate_json(config, world_size, device="h100")
+    # without PP (405B's config pipelines over 8 stages; its stages are checked against real runs below)
+    report = estimate_json(config, world_size, "--parallelism.pipeline_parallel_degree", "1", device="h100")
     layout = report["layout"]
     numel, tensors = analytic_local_numel(config, layout["dp_shard"], layout["tp"])
     steady = report["ranks"][0]["steady_bytes"]
