@@ -35,14 +35,14 @@ from parallelisms.parallel_dims import FLATTENED
 from parallelisms.pipeline_parallel import stage_to_rank
 
 from .data_files import accumulation_steps
-from .estimate_memory import MemoryReport, track_live_bytes
+from .estimate_memory import LiveBytes, MemoryReport, track_live_bytes
 from .job_config import JobConfig
 from .metrics import flops_per_token
 from .optim import build_optimizer
 from .pipeline import pipeline_train_step, split_for_rank, stage_fqns, stages_per_rank
 from .pipeline_schedule import schedule_spec
 from .runtime import Runtime
-from .step import global_target_count, train_step
+from .step import MicroBatches, global_target_count, train_step
 from .tokenizer import build_model_tokenizer, model_vocab_size
 from .train import assemble_pipeline, build_model, init_model
 
@@ -236,29 +236,42 @@ def trace_step(
         optimizer = _optimizer(cfg, model)
         shape = (training.local_batch_size, training.seq_len)
         micro = [(_tokens(vocab, shape, runtime.device), _tokens(vocab, shape, runtime.device)) for _ in range(n_micro)]
-        position = StepPosition([model], optimizer)
-        live.where, live.stage = position.where, position.stage
-        live.reset_peak()
-        live.flops = 0
-        micro = runtime.shard_sequences(micro)  # context parallelism: this rank's share of each sequence
-        with comm:
-            targets = global_target_count([y for _, y in micro], runtime.dp_cp_mesh)
+
+        def step(local: MicroBatches, targets: torch.Tensor) -> None:
             train_step(
-                model, optimizer, micro, targets=targets, grad_average_size=runtime.grad_average_size,
-                max_norm=training.max_norm,
-                use_loss_parallel=runtime.loss_parallel, skip_nonfinite=False, autocast=runtime.precision.autocast,
+                model, optimizer, local, targets=targets, grad_average_size=runtime.grad_average_size,
+                max_norm=training.max_norm, use_loss_parallel=runtime.loss_parallel, skip_nonfinite=False,
+                autocast=runtime.precision.autocast,
             )  # fmt: skip
-        params = [_local(p) for p in model.parameters()]
-        grads = [_local(p.grad) for p in model.parameters() if p.grad is not None]
-        states = [_local(v) for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-        memory = live.report(params=params, grads=grads, optimizer=states)
-        position.remove()
-        flops = live.flops
+
+        position = StepPosition([model], optimizer)
+        return _measured_step(live, comm, position, model, optimizer, runtime, micro, step, fpt=fpt, n_layers=n_layers)
+
+
+def _measured_step(
+    live: LiveBytes, comm: MeshCommDebugMode, position: StepPosition, model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer, runtime: Runtime, micro: MicroBatches,
+    step: Callable[[MicroBatches, torch.Tensor], None], *, fpt: float, n_layers: int,
+) -> StepTrace:  # fmt: skip
+    """Run `step` once over this rank's share of `micro` (context parallelism shards each sequence), under the
+    live-bytes tracker and the collective counter, and read the trace off them."""
+    live.where, live.stage = position.where, position.stage
+    live.reset_peak()
+    live.flops = 0
+    local = runtime.shard_sequences(micro)
+    with comm:
+        step(local, global_target_count([y for _, y in local], runtime.dp_cp_mesh))
+    params = [_local(p) for p in model.parameters()]
+    grads = [_local(p.grad) for p in model.parameters() if p.grad is not None]
+    states = [_local(v) for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    memory = live.report(params=params, grads=grads, optimizer=states)
+    position.remove()
     return StepTrace(
         memory=memory, collectives=comm.collectives(),
         comm_counts={_kind(k): v for k, v in comm.get_comm_counts().items()},
         comm_bytes={_kind(k): v for k, v in comm.get_comm_bytes().items()},
-        executed_flops=flops, flops_per_token=fpt, local_tokens=n_micro * shape[0] * shape[1], n_layers=n_layers,
+        executed_flops=live.flops, flops_per_token=fpt, local_tokens=sum(x.numel() for x, _ in micro),
+        n_layers=n_layers,
     )  # fmt: skip
 
 
@@ -298,30 +311,16 @@ def trace_pipeline_step(
         optimizer = _optimizer(cfg, model)
         shape = (training.local_batch_size, training.seq_len)
         micro = [(_tokens(vocab, shape, runtime.device), _tokens(vocab, shape, runtime.device)) for _ in range(n_micro)]
-        position = StepPosition(list(parts), optimizer)
-        live.where, live.stage = position.where, position.stage
-        live.reset_peak()
-        live.flops = 0
-        micro = runtime.shard_sequences(micro)
-        with comm:
-            targets = global_target_count([y for _, y in micro], runtime.dp_cp_mesh)
+
+        def step(local: MicroBatches, targets: torch.Tensor) -> None:
             pipeline_train_step(
-                model.pipeline, optimizer, micro, targets=targets, grad_average_size=runtime.grad_average_size,
+                model.pipeline, optimizer, local, targets=targets, grad_average_size=runtime.grad_average_size,
                 max_norm=training.max_norm, use_loss_parallel=runtime.loss_parallel,
             )  # fmt: skip
-        params = [_local(q) for q in model.parameters()]
-        grads = [_local(q.grad) for q in model.parameters() if q.grad is not None]
-        states = [_local(v) for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-        memory = live.report(params=params, grads=grads, optimizer=states)
-        position.remove()
-        flops = live.flops
-    return StepTrace(
-        memory=memory, collectives=comm.collectives(),
-        comm_counts={_kind(k): v for k, v in comm.get_comm_counts().items()},
-        comm_bytes={_kind(k): v for k, v in comm.get_comm_bytes().items()},
-        executed_flops=flops, flops_per_token=fpt, local_tokens=n_micro * shape[0] * shape[1],
-        n_layers=sum(len(part.layers) for part in parts),
-    )  # fmt: skip
+
+        position = StepPosition(list(parts), optimizer)
+        blocks = sum(len(part.layers) for part in parts)
+        return _measured_step(live, comm, position, model, optimizer, runtime, micro, step, fpt=fpt, n_layers=blocks)
 
 
 class StepPosition:
