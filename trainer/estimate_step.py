@@ -25,7 +25,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves
 
-from models.llama3 import TransformerModelArgs, llama3_configs
+from models.llama3 import Transformer, TransformerModelArgs, llama3_configs
 from models.llama3.parallelize import parallelize_llama
 from parallelisms.activation_checkpoint import ACMode
 from parallelisms.dtensor import DeviceMesh, DTensor
@@ -206,11 +206,8 @@ def _optimizer(cfg: JobConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
     )  # fmt: skip
 
 
-def trace_step(
-    cfg: JobConfig, runtime: Runtime, *, fake: bool, vocab_size: int | None = None, layers: int | None = None
-) -> StepTrace:
-    """Build the model with the trainer's recipe and run one training step on this rank, traced; with `layers`
-    only the first `layers` blocks are kept (see `trace_step_sampled`)."""
+def _step_setup(cfg: JobConfig, runtime: Runtime, vocab_size: int | None) -> tuple[int, int, Transformer, float]:
+    """(vocab size, micro-batches per step, the whole model on meta, its FLOPs per token), as the trainer has them."""
     vocab = vocab_size or job_vocab_size(cfg)
     training = cfg.training
     global_batch = training.global_batch_size if training.global_batch_size > 0 else 0
@@ -220,7 +217,17 @@ def trace_step(
     args = model.model_args
     fpt = flops_per_token(model, n_layers=args.n_layers, n_heads=args.n_heads, head_dim=args.head_dim,
                           seq_len=training.seq_len)  # fmt: skip
-    n_layers = args.n_layers  # fpt above is the whole model's, sampled or not
+    return vocab, n_micro, model, fpt
+
+
+def trace_step(
+    cfg: JobConfig, runtime: Runtime, *, fake: bool, vocab_size: int | None = None, layers: int | None = None
+) -> StepTrace:
+    """Build the model with the trainer's recipe and run one training step on this rank, traced; with `layers`
+    only the first `layers` blocks are kept (see `trace_step_sampled`)."""
+    vocab, n_micro, model, fpt = _step_setup(cfg, runtime, vocab_size)
+    training = cfg.training
+    n_layers = model.model_args.n_layers  # fpt is the whole model's, sampled or not
     if layers is not None and layers < n_layers:
         for i in range(layers, n_layers):
             del model.layers[str(i)]
@@ -282,15 +289,8 @@ def trace_pipeline_step(
     microbatch of the step run (so the schedule's activation peak is the one measured). With `blocks_per_stage`
     every stage keeps only that many blocks, its other modules (embedding, norm, output) as they are (see
     `trace_step_sampled`)."""
-    vocab = vocab_size or job_vocab_size(cfg)
-    training = cfg.training
-    global_batch = training.global_batch_size if training.global_batch_size > 0 else 0
-    n_micro = accumulation_steps(global_batch, training.local_batch_size, runtime.dp_size) if global_batch else 1
-    torch.manual_seed(int(training.seed or 0))
-    whole = build_model(cfg, vocab)
-    args = whole.model_args
-    fpt = flops_per_token(whole, n_layers=args.n_layers, n_heads=args.n_heads, head_dim=args.head_dim,
-                          seq_len=training.seq_len)  # fmt: skip
+    vocab, n_micro, whole, fpt = _step_setup(cfg, runtime, vocab_size)
+    training, args = cfg.training, whole.model_args
     if blocks_per_stage is not None:
         cfg = _with_blocks_per_stage(cfg, blocks_per_stage)
         for i in range(blocks_per_stage * len(cfg.parallelism.module_fqns_per_model_part or ()), args.n_layers):
