@@ -60,16 +60,16 @@ class Transfers:
         self._batch = _Posted()
         self.batches = 0  # posted so far
 
-    def recv(self, meta: BoundaryMeta, src: int, device: torch.device) -> PendingRecv:
-        """Receive a `meta`-shaped tensor from global rank `src`."""
+    def recv(self, meta: BoundaryMeta, src: int, device: torch.device, group: dist.ProcessGroup) -> PendingRecv:
+        """Receive a `meta`-shaped tensor from global rank `src` of `group` (the pp group)."""
         buffer = torch.empty(meta.shape, dtype=meta.dtype, device=device)
-        self._ops.append(dist.P2POp(dist.irecv, buffer, src))
+        self._ops.append(dist.P2POp(dist.irecv, buffer, src, group))
         return PendingRecv(buffer, self._batch)
 
-    def send(self, tensor: torch.Tensor, dst: int) -> PendingSend:
-        """Send `tensor` to global rank `dst`."""
+    def send(self, tensor: torch.Tensor, dst: int, group: dist.ProcessGroup) -> PendingSend:
+        """Send `tensor` to global rank `dst` of `group` (the pp group)."""
         tensor = tensor.contiguous()
-        self._ops.append(dist.P2POp(dist.isend, tensor, dst))
+        self._ops.append(dist.P2POp(dist.isend, tensor, dst, group))
         return PendingSend(tensor, self._batch)
 
     def post(self) -> None:

@@ -117,10 +117,10 @@ class PipelineSchedule:
                 transfers.post()  # the run of transfers before this compute, as one batch
             if kind is ActionKind.RECV_F:
                 assert stage.input_meta is not None
-                recvs[s, kind, m] = transfers.recv(stage.input_meta, stage.peer(s - 1), stage.device)
+                recvs[s, kind, m] = transfers.recv(stage.input_meta, stage.peer(s - 1), stage.device, stage.group)
             elif kind is ActionKind.RECV_B:
                 assert stage.output_meta is not None
-                recvs[s, kind, m] = transfers.recv(stage.output_meta, stage.peer(s + 1), stage.device)
+                recvs[s, kind, m] = transfers.recv(stage.output_meta, stage.peer(s + 1), stage.device, stage.group)
             elif kind is ActionKind.F:
                 acts = live.setdefault((s, m), _Activations())
                 self._forward(stage, m, acts, live, recvs, inputs, targets)
@@ -128,7 +128,7 @@ class PipelineSchedule:
                 result.peak_live_microbatches[s] = max(result.peak_live_microbatches.get(s, 0), count)
             elif kind is ActionKind.SEND_F:
                 assert live[s, m].output is not None
-                sends.append(transfers.send(live[s, m].output.detach(), stage.peer(s + 1)))  # type: ignore[union-attr]
+                sends.append(transfers.send(live[s, m].output.detach(), stage.peer(s + 1), stage.group))  # type: ignore[union-attr]
             elif kind in (ActionKind.B, ActionKind.I):
                 sync = getattr(stage.module, "set_requires_gradient_sync", None)
                 if sync is not None:
@@ -141,7 +141,7 @@ class PipelineSchedule:
             elif kind is ActionKind.SEND_B:
                 acts = live[s, m]
                 assert acts.input_grad is not None, f"stage {s} microbatch {m}: SEND_B before its B or I"
-                sends.append(transfers.send(acts.input_grad, stage.peer(s - 1)))
+                sends.append(transfers.send(acts.input_grad, stage.peer(s - 1), stage.group))
                 acts.grad_gone = True
                 _release(live, s, m)
         transfers.post()
@@ -174,7 +174,7 @@ class PipelineSchedule:
                 transfers.post()
             if kind is ActionKind.RECV_F:
                 assert stage.input_meta is not None and m is not None
-                recvs[s, kind, m] = transfers.recv(stage.input_meta, stage.peer(s - 1), stage.device)
+                recvs[s, kind, m] = transfers.recv(stage.input_meta, stage.peer(s - 1), stage.device, stage.group)
             elif kind is ActionKind.F:
                 assert m is not None
                 acts = live.setdefault((s, m), _Activations())
@@ -187,7 +187,7 @@ class PipelineSchedule:
                     live.pop((s, m))
             elif kind is ActionKind.SEND_F:
                 assert m is not None
-                sends.append(transfers.send(live.pop((s, m)).output, stage.peer(s + 1)))  # type: ignore[arg-type]
+                sends.append(transfers.send(live.pop((s, m)).output, stage.peer(s + 1), stage.group))  # type: ignore[arg-type]
         transfers.post()
         for send in sends:
             send.wait()
