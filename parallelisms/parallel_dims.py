@@ -40,6 +40,12 @@ FLATTENED = {
 }
 
 
+def sequence_divisor(tp: int, cp: int) -> int:
+    """Sequence lengths must divide by this: tp for sequence parallelism, and under context parallelism
+    2 * cp chunks (each rank's head and tail) that sequence parallelism cuts in tp again."""
+    return 2 * cp * tp if cp > 1 else tp
+
+
 @dataclass
 class ParallelDims:
     """Degrees of each parallelism; `dp_shard=-1` takes whatever the others leave of `world_size`."""
@@ -143,5 +149,4 @@ class ParallelDims:
 
     @property
     def seq_len_divisor(self) -> int:
-        """Sequence lengths must divide by this: tp for sequence parallelism, 2 * cp for load-balanced CP."""
-        return self.tp * self.cp * 2 if self.cp_enabled else self.tp
+        return sequence_divisor(self.tp, self.cp)

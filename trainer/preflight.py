@@ -380,14 +380,17 @@ def _check_tp_divides_model(cfg: JobConfig) -> None:
 def _check_sequence_split(key: str, seq_len: int, cfg: JobConfig) -> None:
     """Sequence parallelism cuts each sequence in tp pieces; context parallelism in 2 * cp chunks (two per
     rank, head and tail) and, within a rank, in tp again."""
+    from parallelisms.parallel_dims import sequence_divisor  # torch-free
+
     p = cfg.parallelism
     tp, cp = p.tensor_parallel_degree, p.context_parallel_degree
-    if cp > 1 and seq_len % (2 * cp * tp):
+    divisor = sequence_divisor(tp, cp)
+    if cp > 1 and seq_len % divisor:
         raise ValueError(
             f"{key}({seq_len}) must be divisible by 2 x parallelism.context_parallel_degree({cp}) x "
-            f"parallelism.tensor_parallel_degree({tp}) = {2 * cp * tp}: context parallelism gives each rank two "
+            f"parallelism.tensor_parallel_degree({tp}) = {divisor}: context parallelism gives each rank two "
             f"chunks of 1/(2 x {cp}) of the sequence, which sequence parallelism cuts in {tp}; pick a multiple of "
-            f"{2 * cp * tp}"
+            f"{divisor}"
         )
     if seq_len % tp:
         raise ValueError(

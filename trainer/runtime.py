@@ -8,6 +8,7 @@ recomputes them from the config at its call site.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -78,9 +79,9 @@ class Runtime:
         dp_shard x cp). The loss is scaled up by it, being already a mean over the step's global targets."""
         return self.dp_size * self.parallel_dims.cp
 
-    @property
+    @cached_property
     def sequence(self) -> SequenceSharding | None:
-        """This rank's share of each sequence under context parallelism (None without)."""
+        """This rank's share of each sequence under context parallelism (None without); made once."""
         return SequenceSharding.of(self.world_mesh["cp"]) if self.parallel_dims.cp_enabled else None
 
     def shard_sequences(self, micro_batches: MicroBatches) -> MicroBatches:

@@ -88,9 +88,9 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, rotate_method: RotateMeth
 
 def compile_supported(parallel_dims: ParallelDims) -> bool:
     """Whether the blocks can be compiled. Ring attention (CP) issues point-to-point and collective calls
-    from inside an autograd Function, which fullgraph compilation cannot trace. torch.compile cannot
-    trace our DTensor either, and TP makes every
-    block parameter and activation one: with fullgraph=True dynamo stops at the first
+    from inside an autograd Function, which fullgraph compilation cannot trace. torch.compile cannot trace
+    our DTensor either, and TP makes every block parameter and activation one: with fullgraph=True dynamo
+    stops at the first
     `DTensor.from_local` (TP's input hook), an autograd.Function whose DTensorSpec argument it cannot
     proxy ("Missing `as_proxy()`"). FSDP alone is fine: its hooks run outside the compiled forward, which
     sees only plain unsharded parameters. Under TP or CP the blocks stay eager (the pre-flight warns)."""

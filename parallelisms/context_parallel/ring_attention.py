@@ -68,6 +68,14 @@ class KVSource:
         return self.current
 
 
+def _block_keys(block: Block, q: torch.Tensor, kv: torch.Tensor) -> tuple[slice, torch.Tensor, torch.Tensor]:
+    """The block's query range, and its K and V made contiguous (torch's context parallel notes that without
+    it "the loss curve is bad"). Queries stay as they come: the output keeps their (B, L, H, Dh) layout, so the
+    caller's transpose back is free."""
+    ks = block.keys.select(kv.shape[3])
+    return block.queries.select(q.shape[2]), kv[0][:, :, ks].contiguous(), kv[1][:, :, ks].contiguous()
+
+
 def ring_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,14 +84,8 @@ def ring_forward(
     source = KVSource(torch.stack([k, v]), plan)
 
     def attend(src: int, block: Block) -> tuple[slice, torch.Tensor, torch.Tensor]:
-        kv = source.next(src)
-        qs, ks = block.queries.select(q.shape[2]), block.keys.select(k.shape[2])
-        # K/V contiguous (torch's context parallel notes that without it "the loss curve is bad"); q as
-        # it comes, so the output keeps its (B, L, H, Dh) layout and the caller's transpose back is free
-        out, lse = block_forward(
-            q[:, :, qs], kv[0][:, :, ks].contiguous(), kv[1][:, :, ks].contiguous(),
-            causal=block.causal, scale=scale, kernel=kernel,
-        )  # fmt: skip
+        qs, k_b, v_b = _block_keys(block, q, source.next(src))
+        out, lse = block_forward(q[:, :, qs], k_b, v_b, causal=block.causal, scale=scale, kernel=kernel)
         return qs, out, lse
 
     (own_src, own_block), *others = plan.blocks()
@@ -125,10 +127,11 @@ def ring_backward(
         kv_src = source.next(src)
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
         if block is not None:
-            qs, ks = block.queries.select(q.shape[2]), block.keys.select(k.shape[2])
+            qs, k_b, v_b = _block_keys(block, q, kv_src)
+            ks = block.keys.select(k.shape[2])
             dq_b, dk_b, dv_b = block_backward(
-                dout[:, :, qs], q[:, :, qs], kv_src[0][:, :, ks].contiguous(), kv_src[1][:, :, ks].contiguous(),
-                out[:, :, qs], lse[:, :, qs].contiguous(), causal=block.causal, scale=scale, kernel=kernel,
+                dout[:, :, qs], q[:, :, qs], k_b, v_b, out[:, :, qs], lse[:, :, qs].contiguous(),
+                causal=block.causal, scale=scale, kernel=kernel,
             )  # fmt: skip
             dq[:, :, qs] += dq_b
             dkv[0][:, :, ks] += dk_b
