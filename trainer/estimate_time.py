@@ -6,7 +6,7 @@
 
 β and α are the device's NVLink figures when every group of the dim lies inside one node (NGPU ranks in a
 row, the mesh order pp, dp_replicate, dp_shard, cp, tp putting tp innermost), else its network's. Bytes
-sent per rank follow the ring volumes of parallelisms.dtensor.cost.RING_VOLUME, from the payload the
+sent per rank follow the ring volumes of parallelisms.dtensor.redistribute.RING_VOLUME, from the payload the
 rank hands the collective (an all-gather's payload is its shard, so it sends (n-1) x payload).
 
 Pipeline parallelism: each role (first and last stage) is traced on its own rank; the step takes the

@@ -349,7 +349,7 @@ def _redistribute_inputs(op: OpOverload, args: tuple, kwargs: dict, dtensors: li
 
 
 def _log_redistribute(op: OpOverload, index: int, spec: DTensorSpec, target: tuple[Placement, ...]) -> None:
-    """MESHTRAIN_DEBUG: `aten.mm arg0 (S(0),R)->(R,R): all_gather on tp` (step names: cost.TRANSITIONS)."""
+    """MESHTRAIN_DEBUG: `aten.mm arg0 (S(0),R)->(R,R): all_gather on tp` (step names: redistribute.TRANSITIONS)."""
     names = spec.mesh.mesh_dim_names or tuple(str(i) for i in range(spec.mesh.ndim))
     comms = [f"{t.kind} on {names[t.mesh_dim]}" for t in plan_transitions(spec, target)]
     src = ",".join(map(str, spec.placements))

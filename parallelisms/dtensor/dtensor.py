@@ -27,11 +27,20 @@ from .placements import (
     Shard,
     _StridedShard,
     application_order,
+    interleaved_chunk,
+    local_chunk,
     normalize_placements,
     strided_pieces,
 )
-from .redistribute import check_target, conform_layout, interleaved_chunk, partition_value, redistribute_local
-from .spec import DTensorSpec, TensorMeta
+from .redistribute import (
+    CastRedistribute,
+    Redistribute,
+    check_target,
+    conform_layout,
+    partition_value,
+    redistribute_local,
+)
+from .spec import DTensorSpec, TensorMeta, contiguous_stride
 
 _make_wrapper = torch.Tensor._make_wrapper_subclass
 
@@ -210,7 +219,7 @@ class DTensor(torch.Tensor):
         needs_grad = torch.is_grad_enabled() and self.requires_grad
         if forward_dtype is not None or backward_dtype is not None:
             check_target(spec, target)
-            return _CastRedistribute.apply(self, target, async_op, forward_dtype, backward_dtype)
+            return CastRedistribute.apply(self, target, async_op, forward_dtype, backward_dtype)
         if target == spec.placements and not needs_grad:
             return self
         check_target(spec, target)
@@ -293,71 +302,6 @@ class _ToLocal(torch.autograd.Function):
         return DTensor(conform_layout(grad, grad_spec), grad_spec), None
 
 
-class Redistribute(torch.autograd.Function):
-    """DTensor -> DTensor with new placements; backward moves the grad back to the old placements."""
-
-    @staticmethod
-    def forward(ctx, input: DTensor, dst_placements: tuple[Placement, ...], async_op: bool = False) -> DTensor:
-        src: DTensorSpec = input._spec
-        ctx.src_placements = src.placements
-        local = redistribute_local(input._local_tensor, src, dst_placements, async_op=async_op)
-        return DTensor(local, src.with_placements(dst_placements), requires_grad=input.requires_grad)
-
-    @staticmethod
-    def backward(ctx, grad: DTensor) -> tuple[DTensor, None, None]:
-        return redistribute_grad(grad, ctx.src_placements), None, None
-
-
-class _CastRedistribute(torch.autograd.Function):
-    """Redistribute with dtype casts around the collectives (redistribute's forward/backward_dtype)."""
-
-    @staticmethod
-    def forward(
-        ctx,
-        input: DTensor,
-        dst_placements: tuple[Placement, ...],
-        async_op: bool,
-        forward_dtype: torch.dtype | None,
-        backward_dtype: torch.dtype | None,
-    ) -> DTensor:
-        ctx.src_placements, ctx.original_dtype = input._spec.placements, input.dtype
-        ctx.backward_dtype = backward_dtype or input.dtype
-        if forward_dtype is not None and forward_dtype != input.dtype:
-            input = cast(DTensor, input.to(forward_dtype))  # grad mode is off in forward: a plain DTensor op
-        if dst_placements == input._spec.placements:
-            return DTensor(input._local_tensor.view_as(input._local_tensor), input._spec, requires_grad=False)
-        local = redistribute_local(input._local_tensor, input._spec, dst_placements, async_op=async_op)
-        return DTensor(local, input._spec.with_placements(dst_placements))
-
-    @staticmethod
-    def backward(ctx, grad: DTensor) -> tuple[DTensor, None, None, None, None]:
-        if grad.dtype != ctx.backward_dtype:
-            grad = cast(DTensor, grad.to(ctx.backward_dtype))
-        grad = redistribute_grad(grad, ctx.src_placements)
-        if grad.dtype != ctx.original_dtype:
-            grad = cast(DTensor, grad.to(ctx.original_dtype))
-        return grad, None, None, None, None
-
-
-def redistribute_grad(grad: DTensor, placements: tuple[Placement, ...]) -> DTensor:
-    """Move a DTensor gradient to `placements` (normalized as in `backward_placements`)."""
-    spec: DTensorSpec = grad._spec
-    target = backward_placements(spec, placements)
-    if target == spec.placements:
-        return grad
-    local = redistribute_local(grad._local_tensor, spec, target, is_backward=True)
-    return DTensor(local, spec.with_placements(target))
-
-
-def backward_placements(grad: DTensorSpec, forward_src: tuple[Placement, ...]) -> tuple[Placement, ...]:
-    """Where a gradient goes in backward: the forward source, except that a Partial source takes a
-    Shard or Replicate grad as Replicate (a reduce in backward would be wasted work)."""
-    return tuple(
-        Replicate() if isinstance(f, Partial) and not isinstance(g, Partial) else f
-        for g, f in zip(grad.placements, forward_src)
-    )
-
-
 def _require_mesh(what: str) -> DeviceMesh:
     """The mesh of the innermost `with mesh:` block, for calls given no device_mesh (as torch)."""
     mesh = current_mesh()
@@ -377,7 +321,7 @@ def _spec_from_local(
 ) -> DTensorSpec:
     if shape is not None:
         global_shape = torch.Size(shape)
-        global_stride = tuple(stride) if stride is not None else _contiguous_stride(global_shape)
+        global_stride = tuple(stride) if stride is not None else contiguous_stride(global_shape)
     else:
         if stride is not None:
             raise ValueError("from_local got stride= without shape=; pass both for uneven shards")
@@ -391,14 +335,6 @@ def _spec_from_local(
                 sizes[p.dim] *= n
         global_shape, global_stride = torch.Size(sizes), tuple(strides)
     return DTensorSpec(mesh, placements, TensorMeta(global_shape, global_stride, local.dtype))
-
-
-def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for s in reversed(shape):
-        stride.append(acc)
-        acc *= max(s, 1)
-    return tuple(reversed(stride))
 
 
 def _check_and_sync_local(local: torch.Tensor, spec: DTensorSpec, *, given_shape: bool) -> torch.Tensor:
@@ -512,20 +448,13 @@ def _distribute_on_mesh_dim(
         return interleaved_chunk(local, p.dim, pieces, n, index)
     if isinstance(p, (Shard, _StridedShard)):
         if src is None or n == 1:
-            return _local_chunk(local, p.dim, n, index)
+            return local_chunk(local, p.dim, n, index)
         return collectives.scatter_chunks(local, p.dim, mesh.get_group(m), index, src)
     if src is not None and n > 1:
         local = collectives.broadcast(local.contiguous().clone(), mesh.get_group(m), src)
     if isinstance(p, Partial):
         local = partition_value(local, p.reduce_op, n, index)
     return local
-
-
-def _local_chunk(t: torch.Tensor, dim: int, n: int, index: int) -> torch.Tensor:
-    from .placements import chunk_size_and_offset
-
-    size, start = chunk_size_and_offset(t.shape[dim], n, index)
-    return t.narrow(dim, start, size).contiguous()
 
 
 ModuleFn = Callable[[nn.Module, Any, DeviceMesh], Any]

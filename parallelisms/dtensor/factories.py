@@ -16,9 +16,9 @@ from functools import partial
 import torch
 
 from .device_mesh import DeviceMesh, current_mesh
-from .dtensor import DTensor, _contiguous_stride
+from .dtensor import DTensor
 from .placements import Placement, Replicate, normalize_placements
-from .spec import DTensorSpec, TensorMeta
+from .spec import DTensorSpec, TensorMeta, contiguous_stride
 
 BLOCK = 1 << 16  # elements per independently seeded block
 _ROWS_BUDGET = 1 << 20  # elements of global rows materialized at once while slicing out the shard
@@ -49,7 +49,7 @@ def _build(
     shape = _size(size)
     dtype = dtype or torch.get_default_dtype()
     placements = normalize_placements(placements or [Replicate()] * device_mesh.ndim, len(shape), device_mesh.ndim)
-    spec = DTensorSpec(device_mesh, placements, TensorMeta(torch.Size(shape), _contiguous_stride(shape), dtype))
+    spec = DTensorSpec(device_mesh, placements, TensorMeta(torch.Size(shape), contiguous_stride(shape), dtype))
     local_shape, offset = spec.local_shape_and_offset()
     if device_mesh.get_coordinate() is None:  # off the mesh: an empty shard, as torch
         local = torch.empty(0, dtype=dtype, device=device_mesh.device_type)

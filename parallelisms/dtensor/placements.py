@@ -13,10 +13,8 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # the placement math here needs no torch; only _split_tensor touches tensors
-    import torch
+import torch
 
 REDUCE_OPS = ("sum", "avg", "prod", "min", "max")  # plus "norm<p>" (p-norm partials, see norm_order)
 
@@ -206,6 +204,33 @@ def chunk_size_and_offset(size: int, num_chunks: int, index: int) -> tuple[int, 
     full = -(-size // num_chunks) if size else 0
     start = min(size, index * full)
     return max(0, min(full, size - start)), start
+
+
+def nested_chunk_sizes(size: int, splits: Sequence[int]) -> list[int]:
+    """Shard lengths of a dim of `size` split by nested mesh dims of sizes `splits` (torch.chunk
+    within torch.chunk), in global order: (5, [2, 2]) -> [2, 1, 1, 1]."""
+    sizes = [size]
+    for n in splits:
+        sizes = [c for s in sizes for c in chunk_sizes(s, n)]
+    return sizes
+
+
+def local_chunk(whole: torch.Tensor, dim: int, n: int, index: int) -> torch.Tensor:
+    """Chunk `index` of `n` of `whole` along `dim` (torch.chunk, empty past the end), as a new
+    contiguous tensor: a shard must not keep the whole tensor alive."""
+    size, start = chunk_size_and_offset(whole.shape[dim], n, index)
+    return whole.narrow(dim, start, size).clone(memory_format=torch.contiguous_format)
+
+
+def interleaved_chunk(whole: torch.Tensor, dim: int, pieces: int, n: int, index: int) -> torch.Tensor:
+    """Replicate -> interleaved `_StridedShard`: chunk `index` of each of the `pieces` pieces of
+    `dim`, concatenated (torch's `_StridedShard._split_tensor`, one rank's shard)."""
+    out, start = [], 0
+    for piece in chunk_sizes(whole.shape[dim], pieces):
+        size, at = chunk_size_and_offset(piece, n, index)
+        out.append(whole.narrow(dim, start + at, size))
+        start += piece
+    return torch.cat(out, dim=dim).contiguous()
 
 
 def normalize_placements(

@@ -27,7 +27,7 @@ from .ops import RULES, OpCall, Sharding, rule_file_for
 from .ops import foreach as foreach_ops
 from .ops import random as random_ops
 from .ops.decompositions import Decomposition, find_decomposition
-from .ops.registry import LOCAL_SHAPE, LOCAL_STRIDE, STRIDED_RULES, WORLD_LOCAL_IMPLS, LocalImpl, ScalarTensor
+from .ops.registry import LOCAL_SHAPE, LOCAL_STRIDE, STRIDED_RULES, WORLD_LOCAL_IMPLS, LocalImpl, Role, ScalarTensor
 from .placements import Placement, Replicate, Shard, _StridedShard, is_strided
 from .redistribute import redistribute_seconds
 from .spec import DTensorSpec, TensorMeta, dense_stride_like
@@ -191,16 +191,11 @@ def _strided_plan(call: OpCall, cache: PlanCache, fallback: bool) -> Plan:
 
 def _check_strided_mutation(call: OpCall) -> None:
     """An op that must gather a strided input cannot write into it (lists of foreach ops included)."""
-    for i, arg in enumerate(call.op._schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
-            continue
-        value = call.args[i] if i < len(call.args) and not arg.kwarg_only else call.kwargs.get(arg.name)
-        items = value if isinstance(value, tuple) else (value,)
-        strided = [s for s in items if isinstance(s, DTensorSpec) and is_strided(s.placements)]
-        if strided:
+    for w in call.bound.written():
+        if is_strided(w.spec.placements):
             raise NotImplementedError(
-                f"{call.op} writes into {arg.name} placed {tuple(map(str, strided[0].placements))} (FSDP over TP "
-                f"shard order) but must gather it to run; run it out of place (x = op(x, ...)), or on "
+                f"{call.op} writes into {w.name} placed {tuple(map(str, w.spec.placements))} (FSDP "
+                f"over TP shard order) but must gather it to run; run it out of place (x = op(x, ...)), or on "
                 f"x.full_tensor()"
             )
 
@@ -296,7 +291,7 @@ def _finish_plan(call: OpCall, choice: Sharding) -> Plan:
         None if meta is None or placements is None else DTensorSpec(mesh, tuple(placements), meta)
         for meta, placements in zip(metas, choice.outputs)
     )
-    _check_mutation(op, call, specs, choice, output_specs)
+    _check_mutation(op, call, choice)
     redistributes = any(t is not None and t != s.placements for s, t in zip(specs, choice.inputs))
     local_args = _resolve_local_args(choice.local_args, output_specs)
     random = random_ops.is_random(op)
@@ -406,25 +401,16 @@ def _check_same_mesh(op: OpOverload, call: OpCall) -> list[list[int]] | None:
     return None
 
 
-def _check_mutation(op: OpOverload, call: OpCall, specs, choice: Sharding, output_specs) -> None:
+def _check_mutation(op: OpOverload, call: OpCall, choice: Sharding) -> None:
     """In-place and out= ops write into an existing DTensor: its placements may not change."""
-    schema = op._schema
-    if not schema.is_mutable:
-        return
-    for i, arg in enumerate(schema.arguments):
-        info = arg.alias_info
-        if info is None or not info.is_write:
-            continue
-        value = call.args[i] if i < len(call.args) and not arg.kwarg_only else call.kwargs.get(arg.name)
-        if not isinstance(value, DTensorSpec):
-            continue
-        index = specs.index(value) if value in specs else None
-        target = choice.inputs[index] if index is not None else None
-        if target is not None and target != value.placements:
+    for w in call.bound.written():
+        target = choice.inputs[w.spec_index]
+        if target is not None and target != w.spec.placements:
+            name = w.name
             raise RuntimeError(
-                f"{op} writes into {arg.name} with placements {tuple(map(str, value.placements))}, but "
-                f"running it needs {tuple(map(str, target))}; redistribute {arg.name} out of place first "
-                f"(e.g. x = x.redistribute(...)) "
+                f"{op} writes into {name} with placements {tuple(map(str, w.spec.placements))}, but "
+                f"running it needs {tuple(map(str, target))}: in-place operations that require placement "
+                f"changes are not supported; redistribute {name} out of place first (x = x.redistribute(...))"
             )
 
 
@@ -434,8 +420,7 @@ def _fallback_plan(op: OpOverload, call: OpCall, cache: PlanCache) -> Plan:
         cache.warned.add(op)
         logger.warning("no sharding rule for %s: gathering its inputs to Replicate (replicate_fallback)", op)
     r = (Replicate(),) * call.mesh_ndim
-    mutated = [a for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
-    if mutated:
+    if op._schema.is_mutable:
         raise NotImplementedError(f"replicate_fallback cannot run in-place op {op}; it needs a sharding rule")
     n_out = len(_output_metas(call, [s.with_placements(r) for s in call.specs]))
     return _finish_plan(call, Sharding(tuple(r for _ in call.specs), tuple(r for _ in range(n_out))))
@@ -443,12 +428,12 @@ def _fallback_plan(op: OpOverload, call: OpCall, cache: PlanCache) -> Plan:
 
 def _returns(op: OpOverload, call: OpCall) -> str:
     """What the op hands back: fresh outputs, its mutated self (`add_`), or its out= tensor."""
-    schema = op._schema
-    if not schema.is_mutable or not schema.returns:
+    if not op._schema.is_mutable or not op._schema.returns:
         return "new"
-    if "out" in call.kwargs and isinstance(call.kwargs["out"], DTensorSpec):
+    slots = call.bound.slots
+    if any(s.role is Role.OUT and s.spec_index is not None for s in slots):
         return "out"
-    first = schema.arguments[0]
-    if first.alias_info is not None and first.alias_info.is_write and isinstance(call.args[0], DTensorSpec):
+    first = slots[0] if slots else None
+    if first is not None and first.role is Role.KEEP and first.item is None and first.spec_index is not None:
         return "self"
     return "new"

@@ -1,10 +1,13 @@
-"""Redistribution: plan the per-mesh-dim transitions between two placements, run them, and price
-them.
+"""Redistribution: the transition table, the plans that walk it, the runners and prices of its
+steps, and the differentiable entry points (the Redistribute autograd Functions).
 
-One transition changes one mesh dim by the collective (or local step) that the transition table,
-cost.TRANSITIONS, names for its pair of placements (DESIGN.md §3); only Replicate becomes Partial.
-The plan of a redistribution is computed once per (spec, target) and carries each step's name:
-run_transition runs that step, the cost model prices it and MESHTRAIN_DEBUG logs it.
+One transition changes one mesh dim by the collective (or local step) that TRANSITIONS names for its
+pair of placements (DESIGN.md §3); only Replicate becomes Partial. The plan of a redistribution is
+computed once per (spec, target, cost model) and carries each step's name: `run_transition` runs a
+step on its mesh dim's group, `_run_on_flat_group` a run of like steps on the flattened group of
+their dims (both through `_run_collective`), `transition_seconds` prices a step from the bytes its
+group works on and `_plan_seconds` a whole walk from each rank's padded payload (`_payload_numel`),
+both on cost.py's α–β links, and MESHTRAIN_DEBUG logs it.
 
 Mesh dims that shard the same tensor dim nest in mesh order, so a transition on mesh dim m is only
 legal when no inner mesh dim (> m) still shards that tensor dim. The planner (after torch's)
@@ -12,35 +15,21 @@ first walks mesh dims inner -> outer, un-sharding whatever would break that nest
 outer -> inner to reach the targets; a source that shards nothing may skip the first walk when
 that moves fewer bytes. Each transition is told the 'logical' shape its mesh dim splits,
 computed from the placements current at that step, which is what uneven gathers need.
-
-The differentiable entry point (the Redistribute autograd Function) lives with the DTensor class
-in dtensor.py; this module works on local tensors and specs only.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from . import collectives
-from .cost import (
-    ALL_GATHER,
-    ALL_REDUCE,
-    ALL_TO_ALL,
-    LOCAL_CHUNK,
-    LOCAL_PARTITION,
-    REDUCE_SCATTER,
-    collective_seconds,
-    cost_model,
-    plan_seconds,
-    transition_kind,
-)
+from .cost import CALL_SECONDS, copy_seconds, cost_model, link_seconds
 from .device_mesh import DeviceMesh
 from .errors import ShardingError
 from .placements import (
@@ -50,21 +39,57 @@ from .placements import (
     Shard,
     _StridedShard,
     application_order,
-    chunk_size_and_offset,
     chunk_sizes,
+    interleaved_chunk,
     interleaved_lengths,
     is_strided,
+    local_chunk,
     local_shape_and_offset,
     logical_shape_before,
     partition_divisor,
     strided_pieces,
 )
-from .spec import DTensorSpec, dense_stride_like, is_dense, stride_order
+from .spec import DTensorSpec, dense_stride_like, is_contiguous_stride, is_dense, stride_order
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from .dtensor import DTensor
+
+# ------------------------------------------------------------------------------------------------
+# The transition table
+# ------------------------------------------------------------------------------------------------
+
+# The names of the steps a transition takes; each is written here only.
+ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER = "all_gather", "all_reduce", "all_to_all", "reduce_scatter"
+LOCAL_CHUNK, LOCAL_PARTITION = "local chunk", "local partition"
+UNREACHABLE = "unreachable"  # S -> P, or P between reduce ops: only Replicate becomes Partial
+
+# What changes one mesh dim from a placement of the first type to one of the second.
+TRANSITIONS: dict[tuple[type[Placement], type[Placement]], str] = {
+    (Shard, Replicate): ALL_GATHER,
+    (Partial, Replicate): ALL_REDUCE,
+    (Shard, Shard): ALL_TO_ALL,  # S(i) -> S(j)
+    (Partial, Shard): REDUCE_SCATTER,
+    (Replicate, Shard): LOCAL_CHUNK,
+    # sum: v / n; norm<p>: v / n**(1/p); avg/min/max: v; prod: v on the first rank, 1 on the others
+    (Replicate, Partial): LOCAL_PARTITION,
+    (_StridedShard, Replicate): ALL_GATHER,  # of the pieces the later mesh dims made
+    (Replicate, _StridedShard): LOCAL_CHUNK,
+}
+
+
+def transition_kind(src: Placement, dst: Placement) -> str:
+    """The TRANSITIONS name of changing one mesh dim from `src` to `dst`; UNREACHABLE if none."""
+    for (src_type, dst_type), kind in TRANSITIONS.items():
+        if isinstance(src, src_type) and isinstance(dst, dst_type):
+            return kind
+    return UNREACHABLE
 
 
 @dataclass(frozen=True, slots=True)
 class Transition:
-    """Change mesh dim `mesh_dim` from `src` to `dst` by `kind` (its cost.TRANSITIONS name);
+    """Change mesh dim `mesh_dim` from `src` to `dst` by `kind` (its TRANSITIONS name);
     `logical_shape` is what that dim splits, into `pieces` chunked at once (an interleaved
     `_StridedShard`'s split_factor; 1 for every other placement)."""
 
@@ -99,7 +124,7 @@ def _plan_transitions(src: DTensorSpec, dst_placements: tuple[Placement, ...], _
     plans = [_walk(src, dst_placements, coordinate, unnest_first=True)]
     if not any(isinstance(p, Shard) for p in src.placements):
         plans.append(_walk(src, dst_placements, coordinate, unnest_first=False))
-    return min(plans, key=lambda steps: _estimated_cost(src, steps))
+    return min(plans, key=lambda steps: _plan_seconds(src, steps))
 
 
 def _walk(
@@ -174,28 +199,81 @@ def _moved_strided_dims(src: Sequence[Placement], dst: Sequence[Placement]) -> s
     return {d for d in dims if sharding(src, d) != sharding(dst, d)}
 
 
-def _estimated_cost(src: DTensorSpec, steps: tuple[Transition, ...]) -> float:
-    """Mean seconds per rank of a plan under the cost model, with every rank's exact (uneven,
-    padded) sizes: pure shape math, identical on every rank, so all ranks pick the same plan."""
-    mesh_shape = src.mesh.shape
-    priced: list[tuple[int, str, float]] = []
+# ------------------------------------------------------------------------------------------------
+# Prices
+# ------------------------------------------------------------------------------------------------
+
+# Bytes one rank sends in each collective on a tensor of `nbytes` (what its group of n works on).
+# Ring volumes: all_gather and reduce_scatter send (n-1)/n of it, all_reduce twice that, all_to_all
+# (n-1)/n of its own 1/n. Every other step is a local copy.
+RING_VOLUME: dict[str, Callable[[float, int], float]] = {
+    ALL_GATHER: lambda nbytes, n: nbytes * (n - 1) / n,
+    REDUCE_SCATTER: lambda nbytes, n: nbytes * (n - 1) / n,
+    ALL_REDUCE: lambda nbytes, n: 2 * nbytes * (n - 1) / n,
+    ALL_TO_ALL: lambda nbytes, n: nbytes * (n - 1) / n / n,
+}
+
+
+def transition_seconds(kind: str, nbytes: float, mesh: DeviceMesh, mesh_dim: int) -> float:
+    """One transition of `kind` (a TRANSITIONS name, or "local") over `mesh_dim` on a tensor of
+    `nbytes` (what the group works on): a collective costs α once (the backend pipelines a ring's
+    steps) plus its RING_VOLUME over β; anything else is a local copy.
+
+    A local partition (R -> P) moves nothing now but owes a reduction: its value is only ever read
+    after an all-reduce (or a reduce-scatter) of the same tensor, so it costs that all-reduce, plus
+    the copy. Priced as a copy alone, the greedy planner partitioned every Replicate it met (R + P
+    -> P) and each consumer that needed the value whole paid the reduction again (a nonlinear op
+    and its backward, which reads the saved Partial input: two all-reduces where one was due). On
+    the hand-sharded Llama (tests/dtensor/test_comm_cost.py, 2 ranks, 2 steps) this takes ours from
+    146 collectives to 54 (torch: 208), and the AdamW program of test_independent_programs.py from
+    105 to 83 (torch: 105). A deferral still wins where it saves a reduction outright (P + P -> P).
+    """
+    n = mesh.shape[mesh_dim]
+    if n == 1:  # moves nothing, but the call is not free: plans that skip it must still win ties
+        return CALL_SECONDS
+    if kind == LOCAL_PARTITION:
+        return transition_seconds(ALL_REDUCE, nbytes, mesh, mesh_dim) + copy_seconds(nbytes)
+    volume = RING_VOLUME.get(kind)
+    if volume is None:  # a local chunk (or a transition redistribute refuses)
+        return copy_seconds(nbytes)
+    return link_seconds(volume(nbytes, n), mesh, mesh_dim)
+
+
+def _payload_numel(step: Transition, local: Sequence[int], logical: Sequence[int], n: int) -> int:
+    """Elements a rank hands the step's collective, from its `local` shape and the `logical` shape
+    its mesh dim splits (both before the step, at that rank's coordinate): fixed-size collectives
+    pad to the largest chunk (a gather's shard to it, a reduce-scatter's input to n of it)."""
+    shape = list(local)
+    if step.kind == ALL_GATHER:
+        dim = cast(Shard, step.src).dim
+        shape[dim] = -(-logical[dim] // n)
+    elif step.kind == REDUCE_SCATTER:
+        dim = cast(Shard, step.dst).dim
+        shape[dim] = -(-logical[dim] // n) * n
+    return math.prod(shape)
+
+
+def _plan_seconds(src: DTensorSpec, steps: tuple[Transition, ...]) -> float:
+    """Mean seconds per rank of a plan's collectives, from every rank's exact (uneven, padded)
+    payload: pure shape math, identical on every rank, so all ranks pick the same plan.
+
+    Walks are compared by payload (the bytes CommDebugMode counts), choices between rules' inputs
+    by `transition_seconds`' ring volumes on even shards: a walk changes the order of the same
+    collectives, where payload and volume rank alike except on uneven pads."""
+    mesh, mesh_shape = src.mesh, src.mesh.shape
     coordinates = list(itertools.product(*(range(n) for n in mesh_shape)))
+    total = 0.0
     for coordinate in coordinates:
         current = list(src.placements)
         for step in steps:
-            m, n = step.mesh_dim, mesh_shape[step.mesh_dim]
-            if not isinstance(step.src, Replicate) and n > 1:
-                local = list(local_shape_and_offset(src.shape, mesh_shape, coordinate, current)[0])
-                logical = logical_shape_before(src.shape, mesh_shape, coordinate, current, m)
-                padded_dim = step.src.dim if isinstance(step.src, Shard) and isinstance(step.dst, Replicate) else None
-                if isinstance(step.src, Partial) and isinstance(step.dst, Shard):
-                    padded_dim = step.dst.dim
-                if padded_dim is not None:  # fixed-size collectives pad to the largest chunk
-                    full = -(-logical[padded_dim] // n)
-                    local[padded_dim] = full * n if isinstance(step.dst, Shard) else full
-                priced.append((m, step.kind, math.prod(local)))
-            current[m] = step.dst
-    return plan_seconds(src.mesh, src.dtype.itemsize, priced) / len(coordinates)
+            n = mesh_shape[step.mesh_dim]
+            if step.kind in RING_VOLUME and n > 1:  # a plan's steps carry this rank's shapes: recompute each rank's
+                local = local_shape_and_offset(src.shape, mesh_shape, coordinate, current)[0]
+                logical = logical_shape_before(src.shape, mesh_shape, coordinate, current, step.mesh_dim)
+                payload = _payload_numel(step, local, logical, n) * src.dtype.itemsize
+                total += link_seconds(payload, mesh, step.mesh_dim)
+            current[step.mesh_dim] = step.dst
+    return total / len(coordinates)
 
 
 def redistribute_seconds(spec: DTensorSpec, target: Sequence[Placement] | None) -> float:
@@ -207,7 +285,7 @@ def redistribute_seconds(spec: DTensorSpec, target: Sequence[Placement] | None) 
     current = list(spec.placements)
     total = 0.0
     for t in plan_transitions(spec, tuple(target)):
-        total += collective_seconds(t.kind, _group_bytes(spec, current, t.mesh_dim), mesh, t.mesh_dim)
+        total += transition_seconds(t.kind, _group_bytes(spec, current, t.mesh_dim), mesh, t.mesh_dim)
         current[t.mesh_dim] = t.dst
     return total
 
@@ -219,6 +297,11 @@ def _group_bytes(spec: DTensorSpec, current: Sequence[Placement], mesh_dim: int)
         if m != mesh_dim and isinstance(p, Shard):
             numel /= spec.mesh.shape[m]
     return numel * spec.dtype.itemsize
+
+
+# ------------------------------------------------------------------------------------------------
+# Running a plan
+# ------------------------------------------------------------------------------------------------
 
 
 def redistribute_local(
@@ -245,8 +328,6 @@ def redistribute_local(
     current = list(src.placements)  # the placements after the steps run so far
     i = 0
     while i < len(steps):
-        # consecutive steps one collective over the flattened mesh of their dims can do (as torch:
-        # an HSDP (P, P) -> (R, R) with `dp` flattened is one all-reduce), else one step
         run = _fusable_run(steps, i) if fuse else steps[i : i + 1]
         out = None
         if len(run) > 1:
@@ -262,13 +343,9 @@ def redistribute_local(
     return conform_layout(local, src)
 
 
-# ------------------------------------------------------------------------------------------------
-# Consecutive collectives of one kind fused over a flattened mesh (as torch's redistribute does)
-# ------------------------------------------------------------------------------------------------
-
-
 def _fusable_run(steps: tuple[Transition, ...], start: int) -> tuple[Transition, ...]:
-    """The longest run of steps from `start` that one collective over their mesh dims can do."""
+    """The longest run of steps from `start` that one collective over the flattened group of their
+    mesh dims can do (as torch: an HSDP (P, P) -> (R, R) with `dp` flattened is one all-reduce)."""
     first = steps[start]
     if first.kind not in (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER) or is_strided((first.src, first.dst)):
         return (first,)
@@ -283,6 +360,31 @@ def _fusable_run(steps: tuple[Transition, ...], start: int) -> tuple[Transition,
             break
         run.append(step)
     return tuple(run)
+
+
+def _run_collective(
+    local: torch.Tensor,
+    step: Transition,
+    group: ProcessGroup,
+    n: int,
+    index: int,
+    gather_sizes: Callable[[], list[int]],
+    async_op: bool,
+) -> torch.Tensor:
+    """A collective step on `group` (n ranks, this one at `index`); `gather_sizes()` gives each
+    member's shard length along the gathered dim. The one runner of a mesh dim's group and of a
+    flattened one."""
+    kind, src, dst = step.kind, step.src, step.dst
+    if kind == ALL_GATHER:  # Shard or _StridedShard: both name their dim
+        return collectives.all_gather(local, cast(Shard, src).dim, group, gather_sizes(), async_op=async_op)
+    if kind == ALL_REDUCE:
+        return collectives.all_reduce(local, cast(Partial, src).reduce_op, group, n, async_op=async_op)
+    if kind == REDUCE_SCATTER:
+        reduce_op = cast(Partial, src).reduce_op
+        return collectives.reduce_scatter(local, cast(Shard, dst).dim, reduce_op, group, index, async_op=async_op)
+    assert kind == ALL_TO_ALL, kind
+    src_dim, dst_dim = cast(Shard, src).dim, cast(Shard, dst).dim
+    return collectives.all_to_all(local, src_dim, dst_dim, group, index, list(step.logical_shape))
 
 
 def _run_on_flat_group(
@@ -303,60 +405,22 @@ def _run_on_flat_group(
     mesh_shape = src.mesh.shape
     n = math.prod(mesh_shape[m] for m in dims)
     first = run[0]
-    if first.kind == ALL_REDUCE:
-        return collectives.all_reduce(local, cast(Partial, first.src).reduce_op, group, n, async_op=async_op)
-    flat_coords = [list(coordinate) for _ in range(n)]
-    for j, coord in enumerate(flat_coords):
-        rest = j
-        for m in reversed(dims):
-            coord[m], rest = rest % mesh_shape[m], rest // mesh_shape[m]
-    if first.kind == ALL_GATHER:
-        dim = cast(Shard, first.src).dim
-        sizes = [local_shape_and_offset(src.shape, mesh_shape, c, current)[0][dim] for c in flat_coords]
-        return collectives.all_gather(local, dim, group, sizes, async_op=async_op)
-    dim = cast(Shard, first.dst).dim
-    if first.logical_shape[dim] % n:  # uneven: nested chunks need not be one chunking (torch too runs one per dim)
+    if first.kind == REDUCE_SCATTER and first.logical_shape[cast(Shard, first.dst).dim] % n:
         return None
     index = 0  # this rank's row-major position on the flattened dims
     for m in dims:
         index = index * mesh_shape[m] + coordinate[m]
-    reduce_op = cast(Partial, first.src).reduce_op
-    return collectives.reduce_scatter(local, dim, reduce_op, group, index, async_op=async_op)
 
+    def gather_sizes() -> list[int]:  # every member's shard length, member j at row-major position j
+        dim, sizes = cast(Shard, first.src).dim, []
+        for j in range(n):
+            member, rest = list(coordinate), j
+            for m in reversed(dims):
+                member[m], rest = rest % mesh_shape[m], rest // mesh_shape[m]
+            sizes.append(local_shape_and_offset(src.shape, mesh_shape, member, current)[0][dim])
+        return sizes
 
-def conform_layout(local: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
-    """`local`, copied into the dim order of `spec`'s global strides if it is laid out otherwise.
-
-    Collectives return contiguous shards; a DTensor whose global strides say "transposed" must not
-    hold one, or reshape/view decompositions would take a path its shard cannot follow. The global
-    strides stay as they are because every rank has the same ones (they pick the decomposition, and
-    so the collectives); the shard moves. Free for the common case, contiguous everywhere.
-    """
-    want = layout_mismatch(local, spec)
-    if want is None:
-        return local
-    return torch.empty_strided(local.shape, want, dtype=local.dtype, device=local.device).copy_(local)
-
-
-def layout_mismatch(local: torch.Tensor, spec: DTensorSpec) -> tuple[int, ...] | None:
-    """The strides `local` should have to follow `spec`'s dim order, or None when it already does
-    (or when `spec`'s strides are not dense: an expanded or sliced view has no order to follow)."""
-    if local.is_contiguous() and _is_contiguous_stride(spec.shape, spec.stride):
-        return None
-    if local.numel() == 0 or local.ndim != spec.ndim or not is_dense(spec.shape, spec.stride):
-        return None
-    want = dense_stride_like(spec.stride, local.shape)
-    return None if stride_order(local.shape, local.stride()) == stride_order(local.shape, want) else want
-
-
-@lru_cache(maxsize=4096)
-def _is_contiguous_stride(shape: torch.Size, stride: tuple[int, ...]) -> bool:
-    expected = 1
-    for size, st in zip(reversed(shape), reversed(stride)):
-        if size != 1 and st != expected:
-            return False
-        expected *= size
-    return True
+    return _run_collective(local, first, group, n, index, gather_sizes, async_op)
 
 
 def run_transition(
@@ -370,27 +434,16 @@ def run_transition(
     kind, src, dst = step.kind, step.src, step.dst
     if kind == ALL_GATHER and step.pieces > 1:
         return _gather_interleaved(local, step, mesh)
-    if kind == ALL_GATHER:  # Shard or _StridedShard: both name their dim
-        dim = cast(Shard, src).dim
-        sizes = chunk_sizes(step.logical_shape[dim], n)
-        return collectives.all_gather(local, dim, mesh.get_group(m), sizes, async_op=async_op)
-    if kind == ALL_REDUCE:
-        return collectives.all_reduce(local, cast(Partial, src).reduce_op, mesh.get_group(m), n, async_op=async_op)
-    if kind == REDUCE_SCATTER:
-        reduce_op = cast(Partial, src).reduce_op
-        return collectives.reduce_scatter(
-            local, cast(Shard, dst).dim, reduce_op, mesh.get_group(m), index, async_op=async_op
-        )
-    if kind == ALL_TO_ALL:
-        return collectives.all_to_all(
-            local, cast(Shard, src).dim, cast(Shard, dst).dim, mesh.get_group(m), index, list(step.logical_shape)
-        )
+    if kind in RING_VOLUME:
+
+        def gather_sizes() -> list[int]:
+            return chunk_sizes(step.logical_shape[cast(Shard, src).dim], n)
+
+        return _run_collective(local, step, mesh.get_group(m), n, index, gather_sizes, async_op)
     if kind == LOCAL_CHUNK and step.pieces > 1:
         return interleaved_chunk(local, cast(_StridedShard, dst).dim, step.pieces, n, index)
     if kind == LOCAL_CHUNK:
-        dim = cast(Shard, dst).dim
-        size, start = chunk_size_and_offset(local.shape[dim], n, index)
-        return local.narrow(dim, start, size).clone(memory_format=torch.contiguous_format)
+        return local_chunk(local, cast(Shard, dst).dim, n, index)
     if kind == LOCAL_PARTITION:
         if is_backward:  # a replicated grad stays replicated: partitioning it would only add a reduce
             return local
@@ -416,23 +469,37 @@ def _gather_interleaved(local: torch.Tensor, step: Transition, mesh: DeviceMesh)
     return torch.cat([blocks[r][i] for i in range(step.pieces) for r in range(n)], dim=dim)
 
 
-def interleaved_chunk(whole: torch.Tensor, dim: int, pieces: int, n: int, index: int) -> torch.Tensor:
-    """Replicate -> interleaved `_StridedShard`: chunk `index` of each of the `pieces` pieces of
-    `dim`, concatenated (torch's `_StridedShard._split_tensor`, one rank's shard)."""
-    out, start = [], 0
-    for piece in chunk_sizes(whole.shape[dim], pieces):
-        size, at = chunk_size_and_offset(piece, n, index)
-        out.append(whole.narrow(dim, start + at, size))
-        start += piece
-    return torch.cat(out, dim=dim).contiguous()
-
-
 def partition_value(local: torch.Tensor, reduce_op: str, n: int, index: int) -> torch.Tensor:
     """R -> P on a group of `n`: this rank's piece, so that reducing the pieces gives `local` back."""
     if reduce_op == "prod":  # the first rank keeps the value, the others the identity of *
         return local if index == 0 else torch.ones_like(local)
     divisor = partition_divisor(reduce_op, n)
     return local / divisor if divisor != 1 else local
+
+
+def conform_layout(local: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
+    """`local`, copied into the dim order of `spec`'s global strides if it is laid out otherwise.
+
+    Collectives return contiguous shards; a DTensor whose global strides say "transposed" must not
+    hold one, or reshape/view decompositions would take a path its shard cannot follow. The global
+    strides stay as they are because every rank has the same ones (they pick the decomposition, and
+    so the collectives); the shard moves. Free for the common case, contiguous everywhere.
+    """
+    want = layout_mismatch(local, spec)
+    if want is None:
+        return local
+    return torch.empty_strided(local.shape, want, dtype=local.dtype, device=local.device).copy_(local)
+
+
+def layout_mismatch(local: torch.Tensor, spec: DTensorSpec) -> tuple[int, ...] | None:
+    """The strides `local` should have to follow `spec`'s dim order, or None when it already does
+    (or when `spec`'s strides are not dense: an expanded or sliced view has no order to follow)."""
+    if local.is_contiguous() and is_contiguous_stride(spec.shape, spec.stride):
+        return None
+    if local.numel() == 0 or local.ndim != spec.ndim or not is_dense(spec.shape, spec.stride):
+        return None
+    want = dense_stride_like(spec.stride, local.shape)
+    return None if stride_order(local.shape, local.stride()) == stride_order(local.shape, want) else want
 
 
 def check_target(src: DTensorSpec, dst_placements: tuple[Placement, ...]) -> None:
@@ -450,3 +517,75 @@ def check_target(src: DTensorSpec, dst_placements: tuple[Placement, ...]) -> Non
                 f"never creates a Partial; declare pending sums with DTensor.from_local(local, mesh, "
                 f"[..., Partial(), ...]) or keep {s} on that mesh dim"
             )
+
+
+# ------------------------------------------------------------------------------------------------
+# The differentiable entry points (outputs are built as `type(input)`: DTensor, which imports this
+# module)
+# ------------------------------------------------------------------------------------------------
+
+
+class Redistribute(torch.autograd.Function):
+    """DTensor -> DTensor with new placements; backward moves the grad back to the old placements."""
+
+    @staticmethod
+    def forward(ctx, input: DTensor, dst_placements: tuple[Placement, ...], async_op: bool = False) -> DTensor:
+        src: DTensorSpec = input._spec
+        ctx.src_placements = src.placements
+        local = redistribute_local(input._local_tensor, src, dst_placements, async_op=async_op)
+        return type(input)(local, src.with_placements(dst_placements), requires_grad=input.requires_grad)
+
+    @staticmethod
+    def backward(ctx, grad: DTensor) -> tuple[DTensor, None, None]:
+        return redistribute_grad(grad, ctx.src_placements), None, None
+
+
+class CastRedistribute(torch.autograd.Function):
+    """Redistribute with dtype casts around the collectives (redistribute's forward/backward_dtype)."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        input: DTensor,
+        dst_placements: tuple[Placement, ...],
+        async_op: bool,
+        forward_dtype: torch.dtype | None,
+        backward_dtype: torch.dtype | None,
+    ) -> DTensor:
+        ctx.src_placements, ctx.original_dtype = input._spec.placements, input.dtype
+        ctx.backward_dtype = backward_dtype or input.dtype
+        if forward_dtype is not None and forward_dtype != input.dtype:
+            input = cast("DTensor", input.to(forward_dtype))  # grad mode is off in forward: a plain DTensor op
+        if dst_placements == input._spec.placements:
+            local = input._local_tensor
+            return type(input)(local.view_as(local), input._spec, requires_grad=False)
+        local = redistribute_local(input._local_tensor, input._spec, dst_placements, async_op=async_op)
+        return type(input)(local, input._spec.with_placements(dst_placements))
+
+    @staticmethod
+    def backward(ctx, grad: DTensor) -> tuple[DTensor, None, None, None, None]:
+        if grad.dtype != ctx.backward_dtype:
+            grad = cast("DTensor", grad.to(ctx.backward_dtype))
+        grad = redistribute_grad(grad, ctx.src_placements)
+        if grad.dtype != ctx.original_dtype:
+            grad = cast("DTensor", grad.to(ctx.original_dtype))
+        return grad, None, None, None, None
+
+
+def redistribute_grad(grad: DTensor, placements: tuple[Placement, ...]) -> DTensor:
+    """Move a DTensor gradient to `placements` (normalized as in `backward_placements`)."""
+    spec: DTensorSpec = grad._spec
+    target = backward_placements(spec, placements)
+    if target == spec.placements:
+        return grad
+    local = redistribute_local(grad._local_tensor, spec, target, is_backward=True)
+    return type(grad)(local, spec.with_placements(target))
+
+
+def backward_placements(grad: DTensorSpec, forward_src: tuple[Placement, ...]) -> tuple[Placement, ...]:
+    """Where a gradient goes in backward: the forward source, except that a Partial source takes a
+    Shard or Replicate grad as Replicate (a reduce in backward would be wasted work)."""
+    return tuple(
+        Replicate() if isinstance(f, Partial) and not isinstance(g, Partial) else f
+        for g, f in zip(grad.placements, forward_src)
+    )

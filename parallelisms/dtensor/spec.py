@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import TYPE_CHECKING
 
 import torch
@@ -117,6 +118,17 @@ def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
         out[d] = acc
         acc *= max(shape[d], 1)
     return tuple(out)
+
+
+@lru_cache(maxsize=4096)
+def is_contiguous_stride(shape: torch.Size, stride: tuple[int, ...]) -> bool:
+    """Whether `stride` is row-major for `shape`, size-1 dims aside (torch's is_contiguous)."""
+    expected = 1
+    for size, st in zip(reversed(shape), reversed(stride)):
+        if size != 1 and st != expected:
+            return False
+        expected *= size
+    return True
 
 
 def dense_stride_like(stride: Sequence[int], shape: Sequence[int]) -> tuple[int, ...]:

@@ -39,7 +39,7 @@ import torch.nn as nn
 
 from parallelisms.dtensor import DeviceMesh, DTensor, Placement, Replicate, Shard
 from parallelisms.dtensor.placements import _StridedShard
-from parallelisms.dtensor.spec import DTensorSpec
+from parallelisms.dtensor.spec import DTensorSpec, contiguous_stride
 
 
 class FSDPParam:
@@ -82,7 +82,7 @@ class FSDPParam:
         index = mesh.get_local_rank(self.shard_mesh_dim)
         local = _local_chunk(unsharded.detach(), self.world, index, _mesh_device(mesh))
         self.local_numel = local.numel()
-        stride = _contiguous_stride(param.shape)
+        stride = contiguous_stride(param.shape)
         self.spec_mesh = spec_mesh or mesh
         sharded = DTensor.from_local(local, self.spec_mesh, self.placements, shape=param.shape, stride=stride)
         self.sharded = nn.Parameter(sharded, requires_grad=param.requires_grad)
@@ -205,11 +205,3 @@ def _mesh_device(mesh: DeviceMesh) -> torch.device:
     if mesh.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device(mesh.device_type)
-
-
-def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for s in reversed(shape):
-        stride.append(acc)
-        acc *= max(s, 1)
-    return tuple(reversed(stride))

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from parallelisms.dtensor.cost import CostModel, LinkCost, collective_seconds, cost_model, use_cost_model
+from parallelisms.dtensor.cost import CostModel, LinkCost, cost_model, use_cost_model
+from parallelisms.dtensor.redistribute import transition_seconds
 
 
 @dataclass(frozen=True, eq=False)
@@ -37,11 +38,11 @@ def test_mesh_dims_inside_a_host_use_the_intra_host_link() -> None:
 def test_collectives_cost_latency_plus_ring_volume_over_bandwidth() -> None:
     with use_cost_model(TWO_HOSTS):
         nbytes = 4e6
-        assert collective_seconds("all_gather", nbytes, GRID, 1) == pytest.approx(1e-6 + nbytes * 3 / 4 / 1e11)
-        assert collective_seconds("all_reduce", nbytes, GRID, 1) == pytest.approx(1e-6 + 2 * nbytes * 3 / 4 / 1e11)
-        assert collective_seconds("all_to_all", nbytes, GRID, 1) == pytest.approx(1e-6 + nbytes * 3 / 16 / 1e11)
-        assert collective_seconds("reduce_scatter", nbytes, GRID, 0) == pytest.approx(1e-5 + nbytes / 2 / 1e10)
-        assert collective_seconds("local", nbytes, GRID, 0) < collective_seconds("all_gather", 1, GRID, 1)
+        assert transition_seconds("all_gather", nbytes, GRID, 1) == pytest.approx(1e-6 + nbytes * 3 / 4 / 1e11)
+        assert transition_seconds("all_reduce", nbytes, GRID, 1) == pytest.approx(1e-6 + 2 * nbytes * 3 / 4 / 1e11)
+        assert transition_seconds("all_to_all", nbytes, GRID, 1) == pytest.approx(1e-6 + nbytes * 3 / 16 / 1e11)
+        assert transition_seconds("reduce_scatter", nbytes, GRID, 0) == pytest.approx(1e-5 + nbytes / 2 / 1e10)
+        assert transition_seconds("local", nbytes, GRID, 0) < transition_seconds("all_gather", 1, GRID, 1)
     assert cost_model() != TWO_HOSTS  # the override ends with its context
 
 
@@ -50,10 +51,10 @@ def test_a_partition_costs_the_all_reduce_it_defers() -> None:
     all-reduce plus the copy, so reducing a Partial at once beats partitioning a Replicate into it."""
     with use_cost_model(TWO_HOSTS):
         nbytes = 4e6
-        all_reduce = collective_seconds("all_reduce", nbytes, GRID, 1)
-        partition = collective_seconds("local partition", nbytes, GRID, 1)
+        all_reduce = transition_seconds("all_reduce", nbytes, GRID, 1)
+        partition = transition_seconds("local partition", nbytes, GRID, 1)
         assert all_reduce < partition == pytest.approx(all_reduce + nbytes / TWO_HOSTS.local_copy_bytes_per_s)
-        assert collective_seconds("local chunk", nbytes, GRID, 1) < collective_seconds("all_gather", 1, GRID, 1)
+        assert transition_seconds("local chunk", nbytes, GRID, 1) < transition_seconds("all_gather", 1, GRID, 1)
 
 
 def _plans_per_cost_model() -> list[int]:

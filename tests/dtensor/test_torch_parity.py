@@ -303,3 +303,38 @@ def test_prims_ops_and_powsum_follow_torch(name: str) -> None:
     (ours, ours_value), (theirs, theirs_value) = got["parallelisms.dtensor"], got["torch.distributed.tensor"]
     assert ours == theirs
     torch.testing.assert_close(ours_value, theirs_value)
+
+
+# --------------------------------------------------------------------------------------------------
+# ops along a sharded dim
+# --------------------------------------------------------------------------------------------------
+
+ALONG_DIM_OPS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "cumsum": lambda t: torch.cumsum(t, 1),
+    "cummax": lambda t: torch.cummax(t, 1)[1],
+    "logsumexp": lambda t: torch.logsumexp(t, 1),
+    "topk": lambda t: torch.topk(t, 2, dim=1)[0],
+    "sort": lambda t: torch.sort(t, dim=1)[0],
+    "flip": lambda t: torch.flip(t, [1]),
+}
+
+
+def along_dim_program(name: str, dt, tp, op: str) -> dict[str, Any]:
+    """An op along the sharded dim: torch gathers that dim once and returns Replicate (an all-to-all
+    to another dim would be cheaper, but a ported program's to_local() would see another shape)."""
+    counter = CommDebugMode if name == "ours" else TorchCommDebugMode
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(0))
+    d = dt.distribute_tensor(x, _mesh(name), [dt.Shard(1)])
+    with counter() as comm:
+        y = ALONG_DIM_OPS[op](d)
+    counts = {str(k).split(".")[-1]: v for k, v in comm.get_comm_counts().items()}
+    return {"placements": [repr(p) for p in y.placements], "comm": counts, "value": y.full_tensor()}
+
+
+@pytest.mark.parametrize("op", list(ALONG_DIM_OPS))
+def test_ops_along_a_sharded_dim_gather_it_once_and_return_replicate_as_torch(op: str) -> None:
+    result = run_world(both, 2, along_dim_program, op)[0]
+    ours, theirs = result["ours"], result["torch"]
+    assert ours["placements"] == theirs["placements"] == ["Replicate()"]
+    assert ours["comm"] == theirs["comm"] == {"all_gather_into_tensor": 1}
+    torch.testing.assert_close(ours["value"], theirs["value"])

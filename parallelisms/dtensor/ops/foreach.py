@@ -27,17 +27,17 @@ from ..placements import Replicate, Shard
 from ..redistribute import redistribute_seconds
 from ..spec import DTensorSpec
 from .pointwise import (
-    WRITE_ONLY,
     PartialRule,
     broadcast_shape,
     elementwise_candidates,
     identity,
     num_tensor_outputs,
+    overwritten,
     partial_rule_for,
     placements_str,
 )
 from .reductions import Candidate, reduction_candidates, vector_norm_candidates
-from .registry import OpCall, Placements, Sharding, register
+from .registry import OpCall, Placements, Role, Sharding, register
 
 aten = torch.ops.aten
 
@@ -76,16 +76,15 @@ def index_candidates(
     and read (they may not move), "shared" tensors must be Replicate."""
     inputs, in_names, written, roles = [], [], [], []
     static: dict[str, Any] = {}
-    for arg, index, value, _ in call.bound.slots:  # index: the list item; None: shared by every index
+    for arg, index, value, _, arg_role in call.bound.slots:  # index: the list item; None: shared by every index
         if index is not None and index != i:
             continue
         name = names.get(arg.name, arg.name)
         static.setdefault(name, value)
         if not isinstance(value, DTensorSpec):
             continue
-        is_write = arg.alias_info is not None and arg.alias_info.is_write
-        role = "shared" if index is None else "out" if is_write and (arg.kwarg_only or base in WRITE_ONLY) else (
-            "keep" if is_write else "in")  # fmt: skip
+        is_write = arg_role is not Role.IN
+        role = "shared" if index is None else "out" if overwritten(arg_role, base) else "keep" if is_write else "in"
         roles.append(role)
         if is_write:
             written.append(value)
@@ -122,7 +121,7 @@ def cheapest(inputs: Sequence[DTensorSpec], candidates: Sequence[Candidate]) -> 
 
 
 def list_length(call: OpCall) -> int:
-    return max((index + 1 for _, index, _, _ in call.bound.slots if index is not None), default=0)
+    return max((s.item + 1 for s in call.bound.slots if s.item is not None), default=0)
 
 
 def foreach_rule(call: OpCall) -> Sharding:
@@ -150,17 +149,16 @@ def _assemble(call: OpCall, base: str, chosen: list[Candidate]) -> Sharding:
     replicate = tuple(Replicate() for _ in range(call.mesh_ndim))
     position = [0] * len(chosen)  # per list index: the next operand position in its candidate
     per_spec: list[Placements | None] = []
-    for arg, index, value, _ in call.bound.slots:
+    for _, index, value, _, role in call.bound.slots:
         if not isinstance(value, DTensorSpec):
             continue
-        is_write = arg.alias_info is not None and arg.alias_info.is_write
         if index is None:  # shared by every index, always Replicate
             per_spec.append(replicate)
             position = [j + 1 for j in position]
-        elif is_write and (arg.kwarg_only or base in WRITE_ONLY):
+        elif overwritten(role, base):
             per_spec.append(None)  # overwritten: its placements are the output's
         else:
-            per_spec.append(None if is_write else chosen[index][1][position[index]])
+            per_spec.append(None if role is Role.KEEP else chosen[index][1][position[index]])
             position[index] += 1
     outputs = tuple(c[0] for c in chosen) if num_tensor_outputs(call.op) else ()
     return Sharding(tuple(per_spec), outputs)
@@ -175,10 +173,11 @@ NORMS = ("norm", "max", "powsum")
 
 def _norm_candidates(call: OpCall, base: str, i: int) -> list[Candidate]:
     spec = call.args[0][i]
+    every_dim = tuple(range(spec.ndim))
     if base == "max":
-        raw = reduction_candidates(spec, "max", ("max",), tuple(range(spec.ndim)), False)
+        raw = reduction_candidates(spec.shape, spec.placements, spec.mesh.shape, "max", ("max",), every_dim, False)
     elif base == "powsum":  # sum_j |x_j|**p adds up across pieces
-        raw = reduction_candidates(spec, "sum", (), tuple(range(spec.ndim)), False)
+        raw = reduction_candidates(spec.shape, spec.placements, spec.mesh.shape, "sum", (), every_dim, False)
     else:
         ord = call.bound["ord"]
         return vector_norm_candidates(spec, ord, None, False)
@@ -198,7 +197,7 @@ def mesh_groups(call: OpCall) -> list[list[int]]:
     cannot follow them onto several meshes.
     """
     mesh_of: dict[int, Any] = {}
-    for arg, index, value, _ in call.bound.slots:
+    for arg, index, value, _, _ in call.bound.slots:
         if not isinstance(value, DTensorSpec):
             continue
         if index is None:

@@ -262,37 +262,23 @@ def _in_spec_order(keys: list[tuple], positions: list[int], sharding: Sharding) 
 def keep_written_layout(call: OpCall, candidates: list[Sharding]) -> list[Sharding]:
     """In-place (`addmm_`) and out= ops write into an existing DTensor whose placements cannot change:
     keep the candidates that leave it as it is and produce exactly its placements."""
-    written = _written_args(call)
+    written = call.bound.written()  # in output order
     if not written:
         return candidates
-    keys = spec_keys(call)
     kept = []
     for s in candidates:
         inputs = list(s.inputs)
         ok = True
-        for out_index, key, spec in written:
-            j = keys.index(key)
-            ok &= inputs[j] in (None, spec.placements) and s.outputs[out_index] == spec.placements
-            inputs[j] = None
+        for out_index, w in enumerate(written):
+            placements = w.spec.placements
+            ok &= inputs[w.spec_index] in (None, placements) and s.outputs[out_index] == placements
+            inputs[w.spec_index] = None
         if ok:
             kept.append(Sharding(tuple(inputs), s.outputs))
     if not kept:
-        placements = [tuple(map(str, spec.placements)) for _, _, spec in written]
+        written_str = [tuple(map(str, w.spec.placements)) for w in written]
         raise NotImplementedError(
-            f"{call.op} writes into a DTensor with placements {placements}, which this op cannot produce from "
+            f"{call.op} writes into a DTensor with placements {written_str}, which this op cannot produce from "
             f"these inputs; call the out-of-place op and redistribute its result instead"
         )
     return kept
-
-
-def _written_args(call: OpCall) -> list[tuple[int, tuple, DTensorSpec]]:
-    """(output index, spec key, spec) of every DTensor the op writes into, in output order."""
-    written: list[tuple[int, tuple, DTensorSpec]] = []
-    for i, arg in enumerate(call.op._schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
-            continue
-        positional = i < len(call.args) and not arg.kwarg_only
-        value = call.args[i] if positional else call.kwargs.get(arg.name)
-        if isinstance(value, DTensorSpec):
-            written.append((len(written), ("arg", i) if positional else ("kwarg", arg.name), value))
-    return written

@@ -34,7 +34,7 @@ from torch._ops import OpOverload
 
 from ..placements import Partial, Placement, Replicate, Shard
 from ..spec import DTensorSpec
-from .registry import OpCall, Placements, Sharding, register
+from .registry import OpCall, Placements, Role, Sharding, register
 
 aten = torch.ops.aten
 
@@ -168,6 +168,13 @@ PARTIAL_RULES: dict[str, PartialRule] = {
 }  # fmt: skip
 
 WRITE_ONLY = ("copy", "fill", "zero")  # in-place ops that never read the tensor they overwrite
+
+
+def overwritten(role: Role, base: str) -> bool:
+    """Whether the op writes an argument without reading it: an out= tensor, or copy_/fill_/zero_'s self."""
+    return role is Role.OUT or (role is Role.KEEP and base in WRITE_ONLY)
+
+
 # ("copy" serves _foreach_copy_: copy_ itself is tensor_ops.py's)
 
 
@@ -313,8 +320,8 @@ def pointwise_rule(call: OpCall) -> list[Sharding]:
         arg, value = slot.argument, slot.value
         if not isinstance(value, DTensorSpec):
             continue
-        is_write = arg.alias_info is not None and arg.alias_info.is_write
-        if is_write and (arg.kwarg_only or base in WRITE_ONLY):
+        is_write = slot.role is not Role.IN
+        if overwritten(slot.role, base):
             roles.append("out")  # overwritten, never read: it fixes the output placements only
             written.append(value)
             continue

@@ -36,7 +36,7 @@ from torch._ops import OpOverload
 
 from ..placements import Partial, Replicate, Shard, _StridedShard
 from ..spec import DTensorSpec
-from .registry import OpCall, Placements, Sharding, register
+from .registry import OpCall, Placements, Role, Sharding, argument_role, positional_index, register
 from .tensor_ops import Row, broadcast_placement, expand, partials
 
 aten = torch.ops.aten
@@ -138,8 +138,7 @@ def multinomial(call: OpCall) -> Sharding:
 
 
 def _check_inplace(call: OpCall, spec: DTensorSpec) -> None:
-    first = call.op._schema.arguments[0]
-    if first.alias_info is not None and first.alias_info.is_write and spec.has_partial():
+    if argument_role(call.op._schema.arguments[0]) is Role.KEEP and spec.has_partial():
         raise NotImplementedError(
             f"{call.op} fills a DTensor with placements {tuple(map(str, spec.placements))} in place, but a "
             f"random sample cannot be Partial; redistribute it to Replicate first (x = x.redistribute(...))"
@@ -217,16 +216,11 @@ def _draw_base(generator: torch.Generator | None) -> int:
 
 def _take_generator(op: OpOverload, args: list, kwargs: dict) -> tuple[list, dict, torch.Generator | None]:
     """Remove a caller's `generator=` (it seeds `base`; the local op runs on the seeded default one)."""
-    for i, a in enumerate(op._schema.arguments):
-        if a.name != "generator":
-            continue
-        if i < len(args) and not a.kwarg_only:
-            generator, args = args[i], [*args[:i], None, *args[i + 1 :]]
-        elif kwargs.get("generator") is not None:
-            generator, kwargs = kwargs["generator"], {**kwargs, "generator": None}
-        else:
-            generator = None
-        return args, kwargs, generator
+    i = positional_index(op, "generator")
+    if i is not None and i < len(args):
+        return [*args[:i], None, *args[i + 1 :]], kwargs, args[i]
+    if kwargs.get("generator") is not None:
+        return args, {**kwargs, "generator": None}, kwargs["generator"]
     return args, kwargs, None
 
 

@@ -1,5 +1,5 @@
 """Sharding rules: the reduction family (sum, mean, amax/amin, max/min, var/std, all/any, argmax/argmin,
-prod, logsumexp), the scans (cumsum, cumprod, logcumsumexp), written once from a small table, histc
+prod, logsumexp), the scans (cumsum, cumprod, logcumsumexp, cummax, cummin), written once from a small table, histc
 and the vector norms.
 
 Per mesh dim, for a reduction `f` over dims D:
@@ -9,9 +9,9 @@ Per mesh dim, for a reduction `f` over dims D:
                                       sum -> P(sum); mean -> P(avg) (equal shards only: a mean of
                                       means needs equal counts); amax/max -> P(max), amin/min -> P(min)
                                       (non-empty shards only: the max of an empty piece raises)
-                       -> otherwise   gather it (R) or move the shard to a kept dim (S(d) -> S(e))
+                       -> otherwise   gather it (R); as torch, never move the shard to a kept dim
     P(op)              -> P(op)       when f commutes with op (sum and mean are linear: P(sum), P(avg)
-                                      pass; amax passes P(max)); otherwise reduce first (R or S(e))
+                                      pass; amax passes P(max)); otherwise reduce first (R)
     R                  -> R
 
 A rule returns the product of these per-mesh-dim options; the dispatcher keeps the cheapest.
@@ -40,7 +40,7 @@ from typing import Any
 
 from torch.ops import aten
 
-from ..placements import Partial, Placement, Replicate, Shard, chunk_sizes, norm_reduce_op
+from ..placements import Partial, Placement, Replicate, Shard, nested_chunk_sizes, norm_reduce_op
 from ..spec import DTensorSpec
 from .pointwise import mixes_reduce_ops
 from .registry import OpCall, Placements, Sharding, register
@@ -79,6 +79,8 @@ REDUCTIONS: dict[Any, Reduction] = {
     aten.cumsum.default: LINEAR_SCAN,
     aten.cumprod.default: SCAN,
     aten.logcumsumexp.default: SCAN,
+    aten.cummax.default: SCAN,  # (values, indices) along the scanned dim
+    aten.cummin.default: SCAN,
 }
 for _op in (
     aten.max.dim, aten.min.dim, aten.argmax.default, aten.argmin.default,
@@ -115,44 +117,18 @@ def output_dim(d: int, dims: Sequence[int], keepdim: bool) -> int:
     return d if keepdim else d - sum(1 for r in dims if r < d)
 
 
-def leaf_chunk_sizes(size: int, splits: Sequence[int]) -> list[int]:
-    """Shard lengths of a dim of `size` split by nested mesh dims of sizes `splits` (torch.chunk)."""
-    sizes = [size]
-    for n in splits:
-        sizes = [c for s in sizes for c in chunk_sizes(s, n)]
-    return sizes
-
-
 def shards_ok(
     kind: Reduction, shape: Sequence[int], mesh_shape: Sequence[int], placements: Placements, dims: Sequence[int]
 ) -> bool:
     """Whether the reduced dims' shards meet `kind`'s needs (equal lengths, none empty)."""
     for d in dims:
         splits = [mesh_shape[m] for m, p in enumerate(placements) if isinstance(p, Shard) and p.dim == d]
-        sizes = leaf_chunk_sizes(shape[d], splits)
+        sizes = nested_chunk_sizes(shape[d], splits)
         if kind.needs_even and len(set(sizes)) > 1:
             return False
         if kind.needs_nonempty and min(sizes) == 0:
             return False
     return True
-
-
-def mesh_dim_options(
-    kind: Reduction, p: Placement, ndim: int, dims: Sequence[int], keepdim: bool
-) -> list[tuple[Placement, Placement]]:
-    """(input placement, output placement) choices on one mesh dim whose input placement is `p`."""
-    kept = [d for d in range(ndim) if d not in dims]
-    # move the data somewhere the op can run locally: gather it, or shard a kept dim instead
-    moves: list[tuple[Placement, Placement]] = [(Replicate(), Replicate())]
-    moves += [(Shard(e), Shard(output_dim(e, dims, keepdim))) for e in kept]
-    if isinstance(p, Shard) and p.dim not in dims:
-        return [(p, Shard(output_dim(p.dim, dims, keepdim)))]
-    if isinstance(p, Shard):
-        keep = [(p, Partial(kind.shard_becomes))] if kind.shard_becomes and not kind.scan else []
-        return keep + [m for m in moves if m[0] != p]
-    if isinstance(p, Partial):
-        return [(p, p)] if p.reduce_op in kind.passes_partials else moves
-    return [(p, p)]
 
 
 def reduction_shardings(
@@ -165,17 +141,13 @@ def reduction_shardings(
     num_outputs: int,
 ) -> list[Sharding]:
     """Every legal Sharding of a one-input reduction (all outputs share the placements)."""
-    per_mesh_dim = [mesh_dim_options(kind, p, len(shape), dims, keepdim) for p in placements]
-    out = []
-    for combo in itertools.product(*per_mesh_dim):
-        inputs = tuple(i for i, _ in combo)
-        output = tuple(o for _, o in combo)
-        if len({p.reduce_op for p in output if isinstance(p, Partial)}) > 1:
-            continue  # one tensor cannot be partial under two reduce ops
-        if not shards_ok(kind, shape, mesh_shape, inputs, dims):
-            continue
-        out.append(Sharding((inputs,), (output,) * num_outputs))
-    return out
+    becomes = None if kind.scan else kind.shard_becomes
+    candidates = reduction_candidates(shape, placements, mesh_shape, becomes, kind.passes_partials, dims, keepdim)
+    return [
+        Sharding((inputs,), (output,) * num_outputs)
+        for inputs, output in candidates
+        if shards_ok(kind, shape, mesh_shape, inputs, dims)
+    ]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -226,32 +198,30 @@ def norm_partial(ord: float) -> str | None:
     return norm_reduce_op(ord) if ord > 0 else None  # negative p: empty pieces raise; reduce first
 
 
-def has_empty_piece(spec: DTensorSpec, placements: Placements, dims: Sequence[int]) -> bool:
-    """Whether some rank holds no element of the reduced `dims` under `placements`."""
-    mesh_shape = spec.mesh.shape
-    for d in dims:
-        splits = [mesh_shape[m] for m, p in enumerate(placements) if isinstance(p, Shard) and p.dim == d]
-        if min(leaf_chunk_sizes(spec.shape[d], splits)) == 0:
-            return True
-    return False
-
-
 def reduction_candidates(
-    spec: DTensorSpec, becomes: str | None, passes: tuple[str, ...], dims: Sequence[int], keepdim: bool
+    shape: Sequence[int],
+    placements: Placements,
+    mesh_shape: Sequence[int],
+    becomes: str | None,
+    passes: tuple[str, ...],
+    dims: Sequence[int],
+    keepdim: bool,
 ) -> list[tuple[Placements, Placements]]:
-    """(input placements, output placements) choices of a norm-like reduction over `dims`.
+    """(input placements, output placements) choices of a reduction over `dims`, per mesh dim:
 
-    A shard of a reduced dim turns into P(`becomes`); a Partial input passes if listed in `passes`;
-    anything else is gathered. Kept dims stay sharded (shifted past the dropped dims).
+        S(kept dim)             stays, shifted past the dropped dims
+        S(reduced dim)          becomes P(`becomes`) (when given), or is gathered
+        P(r), r in `passes`     passes through
+        anything else           is gathered: Replicate in, Replicate out
+
+    As torch's strategies, a shard of a reduced dim is gathered, never moved to a kept dim (an
+    all-to-all would be cheaper, but the output would be sharded where torch's is Replicate, and a
+    ported program's `to_local()` would see another shape).
     """
-
-    def out_dim(d: int) -> int:
-        return d if keepdim else d - sum(1 for r in dims if r < d)
-
     per_dim: list[list[tuple[Placement, Placement]]] = []
-    for p in spec.placements:
+    for p in placements:
         if isinstance(p, Shard) and p.dim not in dims:
-            per_dim.append([(p, Shard(out_dim(p.dim)))])
+            per_dim.append([(p, Shard(output_dim(p.dim, dims, keepdim)))])
         elif isinstance(p, Shard):
             per_dim.append(([(p, Partial(becomes))] if becomes else []) + [(Replicate(), Replicate())])
         elif isinstance(p, Partial) and p.reduce_op in passes:
@@ -263,7 +233,7 @@ def reduction_candidates(
         inputs, output = tuple(i for i, _ in combo), tuple(o for _, o in combo)
         if mixes_reduce_ops(output) or mixes_reduce_ops(inputs):
             continue
-        if becomes in ("max", "min") and has_empty_piece(spec, inputs, dims):
+        if becomes in ("max", "min") and not shards_ok(MAX, shape, mesh_shape, inputs, dims):
             continue  # max() of an empty piece raises
         out.append((inputs, output))
     return out
@@ -273,7 +243,10 @@ def vector_norm_candidates(spec: DTensorSpec, ord: Any, dims: Sequence[int] | No
     ord = float(ord)
     dims = tuple(range(spec.ndim)) if not dims else tuple(sorted(d % spec.ndim for d in dims))
     becomes = norm_partial(ord)
-    return [(out, (inp,)) for inp, out in reduction_candidates(spec, becomes, (), dims, keepdim)]
+    return [
+        (out, (inp,))
+        for inp, out in reduction_candidates(spec.shape, spec.placements, spec.mesh.shape, becomes, (), dims, keepdim)
+    ]
 
 
 @register(aten.linalg__powsum.default)
@@ -282,7 +255,9 @@ def powsum_rule(call: OpCall) -> list[Sharding]:
     spec, bound = call.specs[0], call.bound
     dims = bound["dim"]
     dims = tuple(range(spec.ndim)) if not dims else tuple(sorted(d % spec.ndim for d in dims))
-    candidates = reduction_candidates(spec, "sum", (), dims, bool(bound["keepdim"]))
+    candidates = reduction_candidates(
+        spec.shape, spec.placements, spec.mesh.shape, "sum", (), dims, bool(bound["keepdim"])
+    )
     return [Sharding((inp,), (out,)) for inp, out in candidates]
 
 

@@ -10,8 +10,10 @@ Rules never touch process groups, so they are tested without ranks.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Any, NamedTuple
 
 import torch
@@ -29,6 +31,31 @@ LocalImpl = Callable[[list, dict, tuple[DTensorSpec, ...], tuple[DTensorSpec | N
 WORLD_LOCAL_IMPLS: set[LocalImpl] = set()
 
 
+class Role(enum.Enum):
+    """What an op does with an argument, read from its schema's alias annotations."""
+
+    IN = "in"  # reads it
+    KEEP = "keep"  # writes into it in place (add_'s self, each tensor of _foreach_add_'s list)
+    OUT = "out"  # writes its result into it (an out= tensor)
+
+
+def argument_role(argument: torch.Argument) -> Role:
+    info = argument.alias_info
+    if info is None or not info.is_write:
+        return Role.IN
+    return Role.OUT if argument.is_out else Role.KEEP
+
+
+@cache
+def positional_index(op: OpOverload, name: str) -> int | None:
+    """Where argument `name` of `op` sits among the positional args, or None if it is keyword-only
+    or absent. An argument is given positionally when the call passes that many positional args."""
+    for i, a in enumerate(op._schema.arguments):
+        if a.name == name:
+            return None if a.kwarg_only else i
+    return None
+
+
 class Slot(NamedTuple):
     """One value of an op call, in the flat order of its DTensor inputs (args, then kwargs; the
     items of a list one by one)."""
@@ -37,6 +64,16 @@ class Slot(NamedTuple):
     item: int | None  # its index in that list argument; None for a value that is not a list item
     value: Any
     spec_index: int | None  # its index in `call.specs` (and `Sharding.inputs`) if it is a DTensorSpec
+    role: Role
+
+
+class Written(NamedTuple):
+    """A DTensor input the op writes into."""
+
+    spec_index: int  # in `call.specs` (and `Sharding.inputs`)
+    spec: DTensorSpec
+    name: str  # the schema argument it is, or is an item of
+    role: Role  # KEEP or OUT
 
 
 class BoundArgs:
@@ -45,7 +82,8 @@ class BoundArgs:
     `bound[name]` is the argument's value: given positionally or by keyword, else the schema's
     default (lists as tuples, like the rest of an OpCall); an argument with neither is absent
     (`bound.get(name)` is None, `bound[name]` raises KeyError). `slots` holds every given value in
-    flat order, with the index in `call.specs` of each DTensor input.
+    flat order, with the index in `call.specs` of each DTensor input and the op's role for it;
+    `written()` the DTensors the op writes into.
     """
 
     __slots__ = ("op", "values", "slots")
@@ -69,10 +107,11 @@ class BoundArgs:
         slots: list[Slot] = []
         specs = 0
         for a, value in given:
+            role = argument_role(a)
             items = enumerate(value) if isinstance(value, (list, tuple)) else ((None, value),)
             for item, v in items:
                 is_spec = isinstance(v, DTensorSpec)
-                slots.append(Slot(a, item, v, specs if is_spec else None))
+                slots.append(Slot(a, item, v, specs if is_spec else None, role))
                 specs += is_spec
         self.slots: tuple[Slot, ...] = tuple(slots)
 
@@ -84,6 +123,15 @@ class BoundArgs:
 
     def get(self, name: str, default: Any = None) -> Any:
         return self.values.get(name, default)
+
+    def written(self) -> list[Written]:
+        """The DTensor inputs the op writes into (in place or as out=), in flat order: the order of
+        the op's outputs for ops that return what they write."""
+        return [
+            Written(s.spec_index, s.value, s.argument.name, s.role)
+            for s in self.slots
+            if s.spec_index is not None and s.role is not Role.IN
+        ]
 
     def named_specs(self) -> list[tuple[str, DTensorSpec]]:
         """(argument name, spec) of every DTensor input, in flat order (that of Sharding.inputs)."""

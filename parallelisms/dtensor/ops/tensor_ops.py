@@ -26,7 +26,17 @@ import torch
 from .. import collectives
 from ..placements import Partial, Placement, Replicate, Shard
 from ..spec import DTensorSpec, is_dense
-from .registry import LOCAL_SHAPE, LOCAL_STRIDE, WORLD_LOCAL_IMPLS, OpCall, Placements, Sharding, register
+from .registry import (
+    LOCAL_SHAPE,
+    LOCAL_STRIDE,
+    WORLD_LOCAL_IMPLS,
+    OpCall,
+    Placements,
+    Role,
+    Sharding,
+    argument_role,
+    register,
+)
 
 aten = torch.ops.aten
 
@@ -75,11 +85,13 @@ def partials(call: OpCall, reduce_ops: Sequence[str] | None = None) -> list[Part
     return sorted((p for p in found if reduce_ops is None or p.reduce_op in reduce_ops), key=str)
 
 
-def expand(call: OpCall, rows: list[Row]) -> list[Sharding]:
+def expand(call: OpCall, rows: list[Row], *, reshard: bool = True) -> list[Sharding]:
     """Every combination of one legal row per mesh dim, as whole-mesh candidates.
 
     A row is legal on mesh dim m when each input can move to its placement there, and, for an
-    in-place op, when it leaves the written tensor (the first arg) as it is.
+    in-place op, when it leaves the written tensor (the first arg) as it is. `reshard=False` is
+    torch's strategy for ops along a dim (sort, topk, flip, pad, ...): an input keeps its placement
+    or is gathered, never moved to another shard dim, so outputs are placed as torch's are.
     """
     specs = call.specs
     flat = [(flat_inputs(call, row.inputs), row.outputs) for row in rows]
@@ -91,6 +103,7 @@ def expand(call: OpCall, rows: list[Row]) -> list[Sharding]:
             (ins, outs)
             for ins, outs in flat
             if all(t is None or reachable(c, t) for c, t in zip(current, ins))
+            and (reshard or all(t in (None, c) or isinstance(t, Replicate) for c, t in zip(current, ins)))
             and (not inplace or ins[0] in (None, current[0]))
         ]
         if not legal:
@@ -118,8 +131,7 @@ def _combine(combo: tuple, num_inputs: int) -> Sharding:
 
 
 def _writes_first_arg(call: OpCall) -> bool:
-    first = call.op._schema.arguments[0]
-    return first.alias_info is not None and first.alias_info.is_write
+    return argument_role(call.op._schema.arguments[0]) is Role.KEEP
 
 
 def norm_dim(dim: int, ndim: int) -> int:
@@ -347,7 +359,7 @@ def tril_triu(call: OpCall) -> list[Sharding]:
     """The mask depends on (row, col) positions: the last two dims stay unsharded; a mask is linear
     and monotone (zeros stay zeros), so P(r) -> P(r)."""
     self = call.bound["self"]
-    return expand(call, same_dim_rows(call, self.ndim, ["self"], {self.ndim - 1, self.ndim - 2}))
+    return expand(call, same_dim_rows(call, self.ndim, ["self"], {self.ndim - 1, self.ndim - 2}), reshard=False)
 
 
 @register(aten.repeat.default)
@@ -367,7 +379,7 @@ def roll_flip(call: OpCall) -> list[Sharding]:
     self, dims = call.bound["self"], call.bound["dims"]
     flat_roll = not dims and call.op == aten.roll.default
     active = set(range(self.ndim)) if flat_roll else {norm_dim(d, self.ndim) for d in dims}
-    return expand(call, same_dim_rows(call, self.ndim, ["self"], active))
+    return expand(call, same_dim_rows(call, self.ndim, ["self"], active), reshard=False)
 
 
 @register(aten.constant_pad_nd.default)
@@ -382,7 +394,7 @@ def constant_pad_nd(call: OpCall) -> list[Sharding]:
     padded = {self.ndim - 1 - i // 2 for i, p in enumerate(pad) if p != 0}
     adds = any(p > 0 for p in pad) and not (isinstance(value, (int, float, bool)) and value == 0)
     reduce_ops = ("avg", "max", "min") if adds else None
-    return expand(call, same_dim_rows(call, self.ndim, ["self"], padded, reduce_ops=reduce_ops))
+    return expand(call, same_dim_rows(call, self.ndim, ["self"], padded, reduce_ops=reduce_ops), reshard=False)
 
 
 @register(aten.sort.default, aten.sort.stable, aten.topk.default)
@@ -390,7 +402,7 @@ def sort_topk(call: OpCall) -> list[Sharding]:
     """(values, indices) along dim: other dims keep their shards; not linear, so no Partial."""
     self = call.bound["self"]
     dim = norm_dim(call.bound["dim"], self.ndim)
-    return expand(call, same_dim_rows(call, self.ndim, ["self"], {dim}, num_outputs=2, reduce_ops=()))
+    return expand(call, same_dim_rows(call, self.ndim, ["self"], {dim}, num_outputs=2, reduce_ops=()), reshard=False)
 
 
 # --------------------------------------------------------------------------------------------------

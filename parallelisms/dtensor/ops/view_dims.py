@@ -32,6 +32,7 @@ from ..placements import (
     _StridedShard,
     chunk_sizes,
     local_shape_and_offset,
+    nested_chunk_sizes,
     splits_later_pieces,
     strided_pieces,
 )
@@ -174,14 +175,6 @@ def dim_expand(in_shape: Sequence[int], sizes: Sequence[int]) -> DimMap:
 # --------------------------------------------------------------------------------------------------
 
 
-def nested_chunks(size: int, mesh_sizes: Sequence[int]) -> list[int]:
-    """Sizes of all shards of a dim of `size` split over nested mesh dims, in global order."""
-    pieces = [size]
-    for n in mesh_sizes:
-        pieces = [c for p in pieces for c in chunk_sizes(p, n)]
-    return pieces
-
-
 def group_shards_align(group: Group, mesh_sizes: Sequence[int]) -> bool:
     """Does sharding the group's outermost input dim shard its first output dim the same way?
 
@@ -192,8 +185,8 @@ def group_shards_align(group: Group, mesh_sizes: Sequence[int]) -> bool:
     """
     inner_in = math.prod(group.in_sizes[1:])
     inner_out = math.prod(group.out_sizes[1:])
-    shards_in = [c * inner_in for c in nested_chunks(group.in_sizes[0], mesh_sizes)]
-    return shards_in == [c * inner_out for c in nested_chunks(group.out_sizes[0], mesh_sizes)]
+    shards_in = [c * inner_in for c in nested_chunk_sizes(group.in_sizes[0], mesh_sizes)]
+    return shards_in == [c * inner_out for c in nested_chunk_sizes(group.out_sizes[0], mesh_sizes)]
 
 
 def carriers(dim_map: DimMap) -> dict[int, tuple[int, Group | None]]:

@@ -23,12 +23,12 @@ from parallelisms.dtensor.ops.reductions import (
     MAX,
     MEAN,
     SUM,
-    leaf_chunk_sizes,
     output_dim,
     reduced_dims,
     reduction_shardings,
 )
 from parallelisms.dtensor.ops.registry import OpCall
+from parallelisms.dtensor.placements import nested_chunk_sizes
 from tests.dtensor.harness import MESHES, check_op, get_mesh, get_torch_mesh, placements_and_collectives
 from tests.world import run_world
 
@@ -59,10 +59,10 @@ def test_output_dim_shifts_past_dropped_dims() -> None:
     assert output_dim(0, (1,), keepdim=False) == 0
 
 
-def test_leaf_chunk_sizes_nest_like_torch_chunk() -> None:
-    assert leaf_chunk_sizes(5, [4]) == [2, 2, 1, 0]
-    assert leaf_chunk_sizes(5, [2, 2]) == [2, 1, 1, 1]
-    assert leaf_chunk_sizes(3, [2, 2]) == [1, 1, 1, 0]
+def test_nested_chunk_sizes_nest_like_torch_chunk() -> None:
+    assert nested_chunk_sizes(5, [4]) == [2, 2, 1, 0]
+    assert nested_chunk_sizes(5, [2, 2]) == [2, 1, 1, 1]
+    assert nested_chunk_sizes(3, [2, 2]) == [1, 1, 1, 0]
 
 
 def test_sum_over_sharded_dim_is_partial_sum() -> None:
@@ -75,7 +75,7 @@ def test_sum_over_sharded_dim_is_partial_sum() -> None:
 def test_mean_is_partial_avg_only_on_equal_shards() -> None:
     assert (Partial("avg"),) in outputs(MEAN, (8, 3), (Shard(0),), (4,), (0,))
     uneven = outputs(MEAN, (5, 3), (Shard(0),), (4,), (0,))
-    assert uneven == {(R,), (Shard(0),)}  # gather, or move the shard to the kept dim
+    assert uneven == {(R,)}  # gathered; as torch's, never moved to the kept dim
 
 
 def test_amax_is_partial_max_only_on_nonempty_shards() -> None:
@@ -86,8 +86,8 @@ def test_amax_is_partial_max_only_on_nonempty_shards() -> None:
 
 
 def test_gather_reductions_never_go_partial() -> None:
-    assert outputs(GATHER, (5, 3), (Shard(0),), (2,), (0,)) == {(R,), (Shard(0),)}
-    assert outputs(GATHER, (5, 3), (P,), (2,), (1,)) == {(R,), (Shard(0),)}  # reduce_scatter onto rows
+    assert outputs(GATHER, (5, 3), (Shard(0),), (2,), (0,)) == {(R,)}
+    assert outputs(GATHER, (5, 3), (P,), (2,), (1,)) == {(R,)}  # reduced first, as torch (no reduce_scatter)
 
 
 def test_partial_and_sharded_reductions_never_mix_reduce_ops() -> None:
@@ -98,7 +98,7 @@ def test_partial_and_sharded_reductions_never_mix_reduce_ops() -> None:
 
 def test_cumsum_keeps_dims_and_passes_partial_sum() -> None:
     assert outputs(LINEAR_SCAN, (5, 3), (P,), (2,), (1,), keepdim=True) == {(P,)}
-    assert outputs(LINEAR_SCAN, (5, 3), (Shard(1),), (2,), (1,), keepdim=True) == {(R,), (Shard(0),)}
+    assert outputs(LINEAR_SCAN, (5, 3), (Shard(1),), (2,), (1,), keepdim=True) == {(R,)}
 
 
 # --------------------------------------------------------------------------------------------------

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from parallelisms.dtensor import Partial, Replicate, Shard
-from parallelisms.dtensor.cost import UNREACHABLE, transition_kind
 from parallelisms.dtensor.ops import OpCall
+from parallelisms.dtensor.redistribute import UNREACHABLE, transition_kind
 from tests.dtensor.harness import make_spec
 
 aten = torch.ops.aten
