@@ -7,6 +7,7 @@ import torch
 
 from parallelisms.dtensor import Partial, Replicate, Shard
 from parallelisms.dtensor.ops import OpCall
+from parallelisms.dtensor.ops.registry import Role, positional_index
 from parallelisms.dtensor.redistribute import UNREACHABLE, transition_kind
 from tests.dtensor.harness import make_spec
 
@@ -37,6 +38,22 @@ def test_bound_slots_index_every_dtensor_input_in_flat_order() -> None:
     ]  # fmt: skip
     assert call.bound.named_specs()[-1] == ("out", out)
     assert call.bound is call.bound  # bound once, on first use
+
+
+def test_bound_args_give_each_written_dtensor_its_role() -> None:
+    a, b, out = (make_spec((2, 3), p) for p in (S0, R, S0))
+    inplace = OpCall(aten.add_.Tensor, (a, b), {}).bound
+    assert [(s.role, s.argument.name) for s in inplace.slots] == [(Role.KEEP, "self"), (Role.IN, "other")]
+    assert inplace.written() == [(0, a, "self", Role.KEEP)]
+    into = OpCall(aten.add.out, (a, b), {"out": out}).bound
+    assert into.written() == [(2, out, "out", Role.OUT)]
+    fused = OpCall(aten._foreach_add_.List, ((a, out), (b, b)), {}).bound
+    assert [(w.spec_index, w.role) for w in fused.written()] == [(0, Role.KEEP), (1, Role.KEEP)]
+    assert OpCall(aten.mm.default, (a, b), {}).bound.written() == []
+    assert (
+        positional_index(aten.add.Tensor, "other") == 1 and positional_index(aten.normal_.default, "generator") is None
+    )
+    assert positional_index(aten.add.out, "out") is None and positional_index(aten.add.out, "nope") is None
 
 
 def test_transition_table_names_every_step_once() -> None:
