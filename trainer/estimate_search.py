@@ -1,17 +1,24 @@
 """`--search`: the layouts worth running for a model on a world, best predicted throughput first.
 
-Enumerates tp (a power of two up to the GPUs per node, dividing the heads), dp_replicate x dp_shard = the
-rest (dp_shard 1 is DDP, dp_replicate 1 plain FSDP, between them HSDP), activation checkpointing
-none / selective / full, and the local batch for the job's global batch (training.global_batch_size, or the
-config's local batch x its dp degree): every local batch dividing it, largest first, stopping at the first
-that fits in the device memory less the margin (a smaller one only re-gathers FSDP's parameters more
-often). Each candidate is one `trainer.estimate.estimate`; the fitting ones are ranked by tok/s per device.
+Enumerates pp (a power of two leaving each stage at least two layers; the config's schedule), tp (a power
+of two up to the GPUs per node, dividing the heads), cp (a power of two up to MAX_CP that splits the
+sequence into 2 x cp x tp pieces), dp_replicate x dp_shard = the rest (dp_shard 1 is DDP, dp_replicate 1
+plain FSDP, between them HSDP), activation checkpointing none / selective / full, and the local batch for
+the job's global batch (training.global_batch_size, or the config's local batch x its dp degree): every
+local batch dividing it, largest first, stopping at the first that fits in the device memory less the
+margin (a smaller one only re-gathers FSDP's parameters more often). Each candidate is one
+`trainer.estimate.estimate`; the fitting ones are ranked by tok/s per device.
+
+The pipeline microbatch stays the config's (pipeline_parallel_microbatch_size): under this model a larger
+one only lengthens the bubble (fewer microbatches) and grows the activations 1F1B keeps in flight, so
+the smallest is never worse.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
+from dataclasses import dataclass
 
 from models.llama3 import llama3_configs
 
@@ -23,22 +30,54 @@ from .train import build_parallel_dims
 
 logger = logging.getLogger(__name__)
 AC_MODES = ("none", "selective", "full")
+MAX_CP = 8  # torchtitan's long-context runs stop here; each doubling adds ring passes and halves a block
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+    pp: int
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    def overrides(self) -> list[str]:
+        return [
+            "--parallelism.data_parallel_replicate_degree", str(self.dp_replicate),
+            "--parallelism.data_parallel_shard_degree", str(self.dp_shard),
+            "--parallelism.context_parallel_degree", str(self.cp),
+            "--parallelism.tensor_parallel_degree", str(self.tp),
+            "--parallelism.pipeline_parallel_degree", str(self.pp),
+        ]  # fmt: skip
 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def layouts(cfg: JobConfig, world_size: int, per_node: int) -> list[tuple[int, int, int]]:
-    """(dp_replicate, dp_shard, tp) for the model's heads on `world_size` ranks, tp <= GPUs per node."""
+def _powers_of_two(n: int) -> list[int]:
+    return [d for d in _divisors(n) if d & (d - 1) == 0]
+
+
+def layouts(cfg: JobConfig, world_size: int, per_node: int) -> list[Layout]:
+    """Every (dp_replicate, dp_shard, cp, tp, pp) for the model on `world_size` ranks (see the module doc)."""
     args = llama3_configs[cfg.model.flavor]
     kv_heads = args.n_kv_heads or args.n_heads
+    seq = cfg.training.seq_len
     found = []
-    for tp in (t for t in _divisors(world_size) if t <= per_node and t & (t - 1) == 0):
-        if args.n_heads % tp or kv_heads % tp:
-            continue
-        dp = world_size // tp
-        found += [(r, dp // r, tp) for r in _divisors(dp)]
+    for pp in (p for p in _powers_of_two(world_size) if p == 1 or args.n_layers >= 2 * p):
+        for tp in (t for t in _powers_of_two(world_size // pp) if t <= per_node):
+            if args.n_heads % tp or kv_heads % tp:
+                continue
+            for cp in (c for c in _powers_of_two(world_size // (pp * tp)) if c <= MAX_CP):
+                if cp > 1 and seq % (2 * cp * tp):
+                    continue
+                dp = world_size // (pp * tp * cp)
+                found += [Layout(r, dp // r, cp, tp, pp) for r in _divisors(dp)]
     return found
 
 
@@ -59,27 +98,25 @@ def search(
     budget = device.memory_bytes * (1 - margin)
     batch = global_batch(cfg, world_size)
     found: list[tuple[Estimate, list[str]]] = []
-    for r, s, tp in layouts(cfg, world_size, gpus_per_node()):
-        if batch % (r * s) == 0:
-            found += _search_layout(base, (r, s, tp), batch, world_size, device, budget)
+    for layout in layouts(cfg, world_size, gpus_per_node()):
+        if batch % layout.dp == 0:
+            found += _search_layout(base, layout, batch, world_size, device, budget)
     found.sort(key=lambda pair: (-pair[0].tokens_per_s_per_device, pair[0].peak_bytes))
     return found
 
 
 def _search_layout(
-    base: list[str], layout: tuple[int, int, int], batch: int, world_size: int, device: Device, budget: float
+    base: list[str], layout: Layout, batch: int, world_size: int, device: Device, budget: float
 ) -> list[tuple[Estimate, list[str]]]:
     """The fitting candidates of one layout: per AC mode (none first), the largest local batch that fits.
     Pruned: a layout whose parameters, gradients and optimizer state alone overflow is dropped after one
     estimate, and once a mode fits at the largest local batch, more recomputation can only be slower."""
-    r, s, tp = layout
-    locals_ = sorted(_divisors(batch // (r * s)), reverse=True)
+    locals_ = sorted(_divisors(batch // layout.dp), reverse=True)
     found: list[tuple[Estimate, list[str]]] = []
     for ac in AC_MODES:
         for local in locals_:
             overrides = [
-                "--parallelism.data_parallel_replicate_degree", str(r), "--parallelism.data_parallel_shard_degree",
-                str(s), "--parallelism.tensor_parallel_degree", str(tp), "--activation_checkpoint.mode", ac,
+                *layout.overrides(), "--activation_checkpoint.mode", ac,
                 "--training.local_batch_size", str(local), "--training.global_batch_size", str(batch),
             ]  # fmt: skip
             gc.collect()  # the last candidate's model, optimizer and meshes (reference cycles)

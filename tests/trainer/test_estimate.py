@@ -173,12 +173,13 @@ def test_search_ranks_fitting_layouts_best_first_with_their_overrides() -> None:
     done = run_estimate("--world_size", "2", "--device", "h100", "--search", "--json", "--top", "20")
     assert done.returncode == 0, done.stderr[-3000:]
     candidates = json.loads(done.stdout)["candidates"]
-    layouts = {(c["layout"]["dp_replicate"], c["layout"]["dp_shard"], c["layout"]["tp"]) for c in candidates}
-    assert layouts == {(1, 2, 1), (2, 1, 1), (1, 1, 2)}  # FSDP, DDP and TP on 2 ranks
+    layouts = {tuple(c["layout"][k] for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp")) for c in candidates}
+    # FSDP, DDP, CP, TP and PP on 2 ranks
+    assert layouts == {(1, 2, 1, 1, 1), (2, 1, 1, 1, 1), (1, 1, 2, 1, 1), (1, 1, 1, 2, 1), (1, 1, 1, 1, 2)}
     throughput = [c["tokens_per_s_per_device"] for c in candidates]
     assert throughput == sorted(throughput, reverse=True)
     for c in candidates:
-        assert CONTRACT <= c.keys() and "--parallelism.tensor_parallel_degree" in c["overrides"]
+        assert CONTRACT <= c.keys() and "--parallelism.pipeline_parallel_degree" in c["overrides"]
         assert c["ranks"][0]["memory_bytes"]["peak"] <= 0.9 * 80 * 2**30
 
 
