@@ -13,10 +13,11 @@ data is needed (sends at the end of the step): the order every rank posts them i
 which the simulator has checked cannot deadlock. Each microbatch's activations are freed as soon as its
 backward has run, so 1F1B holds at most pp microbatches per stage.
 
-Split backward (zero-bubble schedules): I computes the input's gradient only (`torch.autograd.grad`, the
-graph kept), W the weight gradients later (`backward(inputs=params)`); W walks the activation path again,
-which the split that stores the intermediate gradients (torch's stage_backward_input) would save. The
-FSDP actions are not run: FSDP works through its hooks and `set_requires_gradient_sync`.
+Split backward (zero-bubble schedules): I computes the input's gradient only and keeps the gradients at
+the nodes where the weight branches leave the activation path; W computes the weight gradients from those
+(split_backward.py), so the activation path runs once. On the first stage, whose input needs no gradient,
+I does nothing and W is the whole backward. The FSDP actions are not run: FSDP works through its hooks
+and `set_requires_gradient_sync`.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch
 
 from .actions import Action, ActionKind
 from .p2p import PendingRecv, PendingSend, Transfers
+from .split_backward import WeightGradients, backward_input, backward_weight
 from .stage import PipelineStage
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (last stage's output, target) -> loss
@@ -51,7 +53,8 @@ class _Activations:
     output: torch.Tensor | None = None
     loss: torch.Tensor | None = None
     input_grad: torch.Tensor | None = None
-    output_grad: torch.Tensor | None = None  # kept from I for W
+    output_grad: torch.Tensor | None = None  # kept from I for W (the first stage's: W is its whole backward)
+    weight_grads: WeightGradients | None = None  # kept from I for W (the other stages)
     weights_done: bool = False
     grad_gone: bool = False
 
@@ -238,10 +241,11 @@ class PipelineSchedule:
                 acts.input_grad = None if stage.is_first else acts.input.grad
                 acts.output = acts.loss = None  # the graph is gone
                 acts.weights_done = True
-            else:
-                if not stage.is_first:
-                    (acts.input_grad,) = torch.autograd.grad(target, [acts.input], grad, retain_graph=True)
+            elif stage.is_first:
                 acts.output_grad = grad
+            else:
+                acts.input_grad, acts.weight_grads = backward_input(target, grad, acts.input, _params(stage))
+                acts.output_grad = grad if acts.weight_grads is None else None  # W walks it all again
         acts.grad_gone = acts.grad_gone or stage.is_first
         _release(live, s, m)
         return loss
@@ -252,12 +256,18 @@ class PipelineSchedule:
         acts = live[s, m]
         target = acts.loss if stage.is_last else acts.output
         assert target is not None, f"stage {s} microbatch {m}: W before its I"
-        params = [p for p in stage.module.parameters() if p.requires_grad]
         with self.loss_context() if stage.is_last else contextlib.nullcontext():
-            torch.autograd.backward(target, acts.output_grad, inputs=params)
-        acts.output = acts.loss = acts.output_grad = None
+            if acts.weight_grads is not None:
+                backward_weight(acts.weight_grads)
+            else:
+                torch.autograd.backward(target, acts.output_grad, inputs=_params(stage))
+        acts.output = acts.loss = acts.output_grad = acts.weight_grads = None
         acts.weights_done = True
         _release(live, s, m)
+
+
+def _params(stage: PipelineStage) -> list[torch.Tensor]:
+    return [p for p in stage.module.parameters() if p.requires_grad]
 
 
 def _release(live: dict, s: int, m: int) -> None:
