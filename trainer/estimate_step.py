@@ -369,30 +369,38 @@ def _affine(a: int, b: int, k1: int, k2: int, n: int) -> int:
     return a + (b - a) * (n - k1) // (k2 - k1)
 
 
-def extrapolate(small: StepTrace, large: StepTrace, n_layers: int) -> StepTrace:
-    """The whole model's trace from traces of its first k1 and k2 blocks: every byte count, collective count
-    and FLOP count of a step is affine in the number of identical blocks (the peak moves with them)."""
-    k1, k2 = small.n_layers, large.n_layers
+def _affine_trace(small: StepTrace, large: StepTrace, k1: int, k2: int, n: int) -> StepTrace:
+    """The trace at n from traces at k1 and k2 of a quantity every byte, collective, FLOP and token count of the
+    step is affine in; the peak's place is `large`'s."""
 
     def line(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
-        return {k: _affine(a.get(k, 0), b[k], k1, k2, n_layers) for k in b}
+        return {k: _affine(a.get(k, 0), b[k], k1, k2, n) for k in b}
 
     at_peak = line(small.memory.at_peak, large.memory.at_peak)
-    where = re.sub(r"layers\.(\d+)", lambda m: f"layers.{n_layers - k2 + int(m[1]) if int(m[1]) >= k1 else m[1]}",
-                   large.memory.peak_where)  # fmt: skip
-    memory = MemoryReport(at_peak=at_peak, peak=sum(at_peak.values()), peak_where=where,
+    memory = MemoryReport(at_peak=at_peak, peak=sum(at_peak.values()), peak_where=large.memory.peak_where,
                           steady=line(small.memory.steady, large.memory.steady))  # fmt: skip
     before = {(c.kind, c.mesh_dim): c for c in small.collectives}
     collectives = []
     for c in large.collectives:
         b = before.get((c.kind, c.mesh_dim), Collective(c.kind, c.mesh_dim, 0, 0))
-        collectives.append(Collective(c.kind, c.mesh_dim, _affine(b.count, c.count, k1, k2, n_layers),
-                                      _affine(b.bytes, c.bytes, k1, k2, n_layers)))  # fmt: skip
+        collectives.append(Collective(c.kind, c.mesh_dim, _affine(b.count, c.count, k1, k2, n),
+                                      _affine(b.bytes, c.bytes, k1, k2, n)))  # fmt: skip
     return dataclasses.replace(
         large, memory=memory, collectives=collectives, comm_counts=line(small.comm_counts, large.comm_counts),
-        comm_bytes=line(small.comm_bytes, large.comm_bytes), n_layers=n_layers,
-        executed_flops=_affine(small.executed_flops, large.executed_flops, k1, k2, n_layers),
+        comm_bytes=line(small.comm_bytes, large.comm_bytes),
+        executed_flops=_affine(small.executed_flops, large.executed_flops, k1, k2, n),
+        local_tokens=_affine(small.local_tokens, large.local_tokens, k1, k2, n),
     )  # fmt: skip
+
+
+def extrapolate(small: StepTrace, large: StepTrace, n_layers: int) -> StepTrace:
+    """The whole model's trace from traces of its first k1 and k2 blocks: every byte count, collective count
+    and FLOP count of a step is affine in the number of identical blocks (the peak moves with them)."""
+    k1, k2 = small.n_layers, large.n_layers
+    whole = _affine_trace(small, large, k1, k2, n_layers)
+    where = re.sub(r"layers\.(\d+)", lambda m: f"layers.{n_layers - k2 + int(m[1]) if int(m[1]) >= k1 else m[1]}",
+                   large.memory.peak_where)  # fmt: skip
+    return dataclasses.replace(whole, memory=dataclasses.replace(whole.memory, peak_where=where), n_layers=n_layers)
 
 
 SAMPLED_LAYERS = (2, 4)  # blocks traced when sampling: even counts keep every-other-layer AC's pattern
@@ -412,6 +420,39 @@ def _with_blocks_per_stage(cfg: JobConfig, k: int) -> JobConfig:
     return dataclasses.replace(cfg, parallelism=parallelism)
 
 
+def _sampled_blocks(cfg: JobConfig, runtime: Runtime, fake: bool, blocks: int) -> StepTrace:
+    small = trace_pipeline_step(cfg, runtime, fake=fake, blocks_per_stage=1)
+    large = trace_pipeline_step(cfg, runtime, fake=fake, blocks_per_stage=2)
+    return extrapolate(small, large, blocks)
+
+
+def _sampled_microbatches(cfg: JobConfig, runtime: Runtime, fake: bool, blocks: int) -> StepTrace:
+    """A single-stage schedule's step (GPipe, 1F1B) from its steps of pp + 1 and pp + 2 pipeline microbatches,
+    extrapolated: past pp microbatches every stage's in-flight activations have stopped growing (1F1B) or
+    grow by one microbatch each (GPipe), and every other count grows by one microbatch's, so the step is
+    affine in the microbatches. A 405B stage's 32 microbatches cost what 19 do. Multi-stage schedules, whose
+    warm-up depends on the microbatch count in rounds, are traced whole."""
+    pp, size = runtime.parallel_dims.pp, cfg.parallelism.pipeline_parallel_microbatch_size
+    m, m1, m2 = cfg.training.local_batch_size // size, pp + 1, pp + 2
+    if stages_per_rank(cfg) > 1 or m1 + m2 >= m:
+        return _sampled_blocks(cfg, runtime, fake, blocks)
+    small = _sampled_blocks(_with_microbatches(cfg, m1, runtime.dp_size), runtime, fake, blocks)
+    large = _sampled_blocks(_with_microbatches(cfg, m2, runtime.dp_size), runtime, fake, blocks)
+    return _affine_trace(small, large, m1, m2, m)
+
+
+def _with_microbatches(cfg: JobConfig, m: int, dp: int) -> JobConfig:
+    """`cfg` with m pipeline microbatches per accumulation step, the accumulation steps as they were."""
+    training = cfg.training
+    local = m * cfg.parallelism.pipeline_parallel_microbatch_size
+    if training.global_batch_size > 0:  # keep the accumulation steps
+        accumulation = training.global_batch_size // (training.local_batch_size * dp)
+        scaled = dataclasses.replace(training, local_batch_size=local, global_batch_size=local * dp * accumulation)
+    else:
+        scaled = dataclasses.replace(training, local_batch_size=local)
+    return dataclasses.replace(cfg, training=scaled)
+
+
 def trace_step_sampled(cfg: JobConfig, runtime: Runtime, *, fake: bool = True) -> StepTrace:
     """`trace_step` of the whole model from two short traces (SAMPLED_LAYERS blocks), extrapolated: a 126-block
     model costs what a 4-block one does. Falls back to the whole model when it has no more blocks than that.
@@ -425,9 +466,7 @@ def trace_step_sampled(cfg: JobConfig, runtime: Runtime, *, fake: bool = True) -
         blocks = sum(sum(f.startswith("layers.") for f in split[s]) for s in mine)
         if blocks <= 2 * len(mine):
             return trace_pipeline_step(cfg, runtime, fake=fake)
-        small = trace_pipeline_step(cfg, runtime, fake=fake, blocks_per_stage=1)
-        large = trace_pipeline_step(cfg, runtime, fake=fake, blocks_per_stage=2)
-        return extrapolate(small, large, blocks)
+        return _sampled_microbatches(cfg, runtime, fake, blocks)
     n_layers = llama3_configs[cfg.model.flavor].n_layers
     k1, k2 = SAMPLED_LAYERS
     if n_layers <= k2:
