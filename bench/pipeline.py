@@ -70,20 +70,13 @@ from parallelisms.pipeline_parallel import (
 from parallelisms.pipeline_parallel.p2p import PendingRecv
 from parallelisms.pipeline_parallel.runtime import PipelineSchedule
 from parallelisms.pipeline_parallel.stage import BoundaryMeta, PipelineStage
+from tests.pipeline_parallel.torch_oracle import TORCH_CLASSES
 from tests.world import World
 
 MICROBATCHES = 8
 PP_DEGREES = (2, 4)
 COMPARE_PP = 2
 QUICK_COMPARED = ("GPipe", "1F1B", "Interleaved1F1B")
-TORCH_CLASSES: dict[str, type[torch_schedules._PipelineSchedule]] = {
-    "GPipe": torch_schedules.ScheduleGPipe,
-    "1F1B": torch_schedules.Schedule1F1B,
-    "Interleaved1F1B": torch_schedules.ScheduleInterleaved1F1B,
-    "LoopedBFS": torch_schedules.ScheduleLoopedBFS,
-    "InterleavedZeroBubble": torch_schedules.ScheduleInterleavedZeroBubble,
-    "ZBVZeroBubble": torch_schedules.ScheduleZBVZeroBubble,
-}
 GRAD_TOL = 1e-5
 KINDS = ("F", "B", "I", "W")
 
