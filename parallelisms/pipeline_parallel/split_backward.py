@@ -40,8 +40,9 @@ def backward_input(
     scalar loss), keeping the graph and what W needs; None instead when W must be one whole backward."""
     branches = _branches(output, input, params)
     pending = None if branches is None else WeightGradients(branches)
-    for i, (node, _) in enumerate(branches or ()):
-        node.register_prehook(_keep(pending.received, i))  # type: ignore[union-attr]
+    if pending is not None:
+        for i, (node, _) in enumerate(pending.branches):
+            node.register_prehook(_keep(pending.received, i))
     (input_grad,) = torch.autograd.grad(output, [input], grad, retain_graph=True)
     return input_grad, pending
 

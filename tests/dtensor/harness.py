@@ -101,8 +101,6 @@ def check_op(
     Every input is a global tensor; floating inputs get gradients when `grad`. Combos beyond
     `max_combos` are sampled (same sample on every rank). Inputs with `shardable[i] == False`
     stay replicated (e.g. integer index tensors that a rule requires replicated).
-    A combo ours refuses with a RuntimeError passes only if torch's DTensor refuses it too (a view
-    that would have to move shards, say): torch is the oracle of what must run.
     Returns the number of placement combos checked; raises AssertionError naming the combo.
     """
     ref_inputs = [t.detach().clone().requires_grad_(grad and t.is_floating_point()) for t in inputs]
@@ -157,35 +155,8 @@ def check_op(
                     assert_layout_agrees(g, "gradient")
                     torch.testing.assert_close(_full(g), want, atol=atol, rtol=rtol)
         except Exception as e:
-            if isinstance(e, RuntimeError) and _torch_refuses(fn, inputs, combo, mesh.shape, grad, weights):
-                continue
             raise AssertionError(f"{getattr(fn, '__name__', fn)} failed for {what}: {type(e).__name__}: {e}") from e
     return len(combos)
-
-
-def _torch_refuses(
-    fn: Callable, inputs: Sequence[torch.Tensor], combo: tuple, mesh_shape: Sequence[int], grad: bool, weights: list
-) -> bool:
-    """Whether torch's DTensor raises a RuntimeError on `fn` with inputs placed as `combo` (forward,
-    or backward when `grad`); Partial inputs are never compared (torch cannot distribute them)."""
-    if any(isinstance(p, Partial) for placements in combo for p in placements):
-        return False
-    import torch.distributed.tensor as tdt
-
-    mesh = get_torch_mesh(mesh_shape)
-    d_inputs = [
-        tdt.distribute_tensor(t.detach(), mesh, to_torch_placements(p)).requires_grad_(grad and t.is_floating_point())
-        for t, p in zip(inputs, combo)
-    ]
-    try:
-        leaves = _flat_tensors(fn(*d_inputs))
-        if grad:
-            floats = [(o, w) for o, w in zip(leaves, weights) if w is not None and o.requires_grad]
-            if floats:
-                sum((o.full_tensor() * w).sum() for o, w in floats).backward()
-    except RuntimeError:
-        return True
-    return False
 
 
 def assert_layout_agrees(t: torch.Tensor, what: str) -> None:
