@@ -184,7 +184,7 @@ class Parallelism:
     enable_async_tensor_parallel: bool = False
     """Async TP (compiled collective-matmul overlap): TP here runs synchronously; accepted with a warning."""
     pipeline_parallel_degree: int = 1
-    """Pipeline parallelism degree (not supported yet: 1 only)."""
+    """Pipeline parallelism degree: ranks along the pp mesh dim (outermost), each holding its stages."""
     module_fqns_per_model_part: list[list[str]] | None = None
     """Pipeline parallelism: the module names of each model part, an explicit split."""
     pipeline_parallel_first_stage_less_layers: int = 1

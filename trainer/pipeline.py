@@ -8,9 +8,9 @@ runs the schedule once per accumulation micro-batch, each split into
 `local_batch_size / pipeline_parallel_microbatch_size` pipeline microbatches; the loss exists on the last
 stage and is summed over the pp group for the log; the gradient norm is taken over every stage.
 
-FSDP and DDP inside a stage reduce its gradients once per step, in the stage's last backward (torch's
-REDUCE_GRAD); validation runs the schedule's forwards only; tensor parallelism inside stages sends each TP
-rank's sequence shard. Not yet: data parallelism inside the stages of a split-backward (zero-bubble) schedule.
+FSDP and DDP inside a stage gather its parameters once and reduce its gradients once per step, in the
+stage's last weight backward (B, or W under a split backward: torch's REDUCE_GRAD); validation runs the
+schedule's forwards only; tensor parallelism inside stages sends each TP rank's sequence shard.
 """
 
 from __future__ import annotations

@@ -76,7 +76,6 @@ def check_config(cfg: JobConfig, world_size: int | None = None) -> list[str]:
             cp=p.context_parallel_degree, tp=p.tensor_parallel_degree, pp=p.pipeline_parallel_degree,
             world_size=world_size,
         )  # fmt: skip
-        _check_split_backward_alone(cfg, dims.dp_replicate * dims.dp_shard)
         if cfg.training.global_batch_size != -1:
             accumulation_steps(
                 cfg.training.global_batch_size, cfg.training.local_batch_size, dims.dp_replicate * dims.dp_shard
@@ -270,23 +269,6 @@ def _check_pipeline(cfg: JobConfig) -> None:
             raise ValueError(f"parallelism.pipeline_parallel_schedule={p.pipeline_parallel_schedule!r} with "
                              f"{training.local_batch_size // mb} microbatches (training.local_batch_size / "
                              f"parallelism.pipeline_parallel_microbatch_size): {e}") from None  # fmt: skip
-
-
-def _check_split_backward_alone(cfg: JobConfig, dp: int) -> None:
-    """Zero-bubble schedules split each backward in two (I, then W); FSDP's and DDP's gradient hooks assume
-    one backward per microbatch, so data parallelism inside such stages is refused until they learn it."""
-    p = cfg.parallelism
-    if p.pipeline_parallel_degree <= 1 or dp <= 1:
-        return
-    from .pipeline_schedule import schedule_spec
-
-    spec = schedule_spec(cfg)
-    if spec.split_backward:
-        raise NotImplementedError(
-            f"parallelism.pipeline_parallel_schedule={spec.name!r} (split backward) with data "
-            f"parallelism inside the stages (degree {dp}) is not supported yet; use 1F1B or Interleaved1F1B, or set "
-            f"parallelism.data_parallel_shard_degree=1 and data_parallel_replicate_degree=1"
-        )
 
 
 def _check_validation(cfg: JobConfig) -> None:

@@ -213,6 +213,14 @@ class ReplicateModule:
         without communication); the next synced backward reduces the sum."""
         self._replicate_state.requires_gradient_sync = requires_gradient_sync
 
+    def finish_backward(self) -> None:
+        """End, as the end of a backward does, a backward whose gradients were put into `.grad` outside
+        autograd's AccumulateGrad (a pipeline's split weight pass, which no gradient hook sees): with
+        gradient sync every bucket is all-reduced now; without, the gradients stay local."""
+        state = self._replicate_state
+        if state.requires_gradient_sync:
+            state._end_of_backward()
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """DDP's context: backward inside it does not all-reduce."""

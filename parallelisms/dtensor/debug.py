@@ -20,8 +20,10 @@ import torch
 import torch.distributed._functional_collectives  # registers the c10d_functional keys
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.autograd.graph import register_multi_grad_hook
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 from torch.utils.module_tracker import ModuleTracker
 
@@ -91,7 +93,15 @@ class _ModuleTracker(ModuleTracker):
         self._post_hooks: dict[int, RemovableHandle] = {}
 
     def _fw_pre_hook(self, mod: nn.Module, input: Any) -> None:
-        super()._fw_pre_hook(mod, input)
+        """torch's, except that a module whose inputs include a leaf leaves on the first input gradient
+        (mode "any"): torch's "all" mode asks the engine about each input's node, which fails for a leaf
+        under `autograd.grad` (a pipeline stage's input in a split backward)."""
+        name = self._get_mod_name(mod)
+        self._get_append_fn(name, False)()
+        tensors = [a for a in tree_flatten(input)[0] if isinstance(a, torch.Tensor) and a.requires_grad]
+        if tensors:
+            mode = "any" if any(t.grad_fn is None for t in tensors) else "all"
+            self._hooks.append(register_multi_grad_hook(tensors, self._get_pop_fn(name, True), mode=mode))
         if id(mod) not in self._post_hooks:
             self._post_hooks[id(mod)] = mod.register_forward_hook(self._fw_post_hook)
 

@@ -56,6 +56,18 @@ class FSDPModule:
         for state in _states(self, recurse):
             state.reshard_after_backward = reshard_after_backward
 
+    def finish_backward(self) -> None:
+        """End, as the end of a backward does, a backward whose gradients were put into `.grad` outside
+        autograd's AccumulateGrad (a pipeline's split weight pass): every group of this module's tree reduces
+        the gradients it holds (with gradient sync; otherwise it keeps them for the next synced backward)
+        and reshards if asked (`set_reshard_after_backward`)."""
+        state = self._fsdp_state
+        root = state.root or state
+        root._lazy_init()
+        for member in root.tree:
+            member._expect(TrainingState.IDLE, "finish_backward")
+        root._end_of_backward()
+
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """All-gather these modules' parameters in flight when this one's forward starts (instead
         of the next module in the recorded forward order)."""

@@ -68,6 +68,7 @@ _HINTS = {
     "post_backward": "post_backward runs once per backward, after the group's pre-backward; "
     "a second call would reduce-scatter its gradients again",
     "reshard": "the running forward or backward still reads the unsharded parameters; reshard between steps",
+    "finish_backward": "call it between backwards, after the weight pass that accumulated the gradients",
 }
 
 

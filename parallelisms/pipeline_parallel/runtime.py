@@ -16,8 +16,14 @@ backward has run, so 1F1B holds at most pp microbatches per stage.
 Split backward (zero-bubble schedules): I computes the input's gradient only and keeps the gradients at
 the nodes where the weight branches leave the activation path; W computes the weight gradients from those
 (split_backward.py), so the activation path runs once. On the first stage, whose input needs no gradient,
-I does nothing and W is the whole backward. The FSDP actions are not run: FSDP works through its hooks
-and `set_requires_gradient_sync`.
+I does nothing and W is the whole backward.
+
+Data parallelism inside a stage (FSDP, DDP) works through the module's own hooks; the FSDP actions of a
+lowered schedule are not run. Every backward of the step runs without gradient sync and, under FSDP, keeps
+the parameters unsharded, except the stage's last weight backward of the step (its last B or W), which
+reduces the accumulated gradients once and reshards. W accumulates the weight gradients itself (autograd
+.grad, not the engine's AccumulateGrad, whose hooks would end a backward per branch), so after the last W
+the runtime ends the backward explicitly: the module's `finish_backward()`.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ import torch
 
 from .actions import Action, ActionKind
 from .p2p import PendingRecv, PendingSend, Transfers
-from .split_backward import WeightGradients, backward_input, backward_weight
+from .split_backward import WeightGradients, backward_all_weights, backward_input, backward_weight
 from .stage import PipelineStage
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (last stage's output, target) -> loss
@@ -102,10 +108,7 @@ class PipelineSchedule:
         A stage whose module reduces gradients across data-parallel ranks (FSDP, DDP:
         `set_requires_gradient_sync`) reduces them once, in its last backward of the step, with `sync_grads`
         (torch's REDUCE_GRAD), and not at all without (gradient accumulation over several steps' calls)."""
-        last_backward = {}
-        for i, a in enumerate(self.actions):
-            if a.kind in (ActionKind.B, ActionKind.I):
-                last_backward[a.stage] = i
+        last_weights = _last_weight_actions(self.actions)
         live: dict[tuple[int, int], _Activations] = {}
         recvs: dict[tuple[int, ActionKind, int], PendingRecv] = {}
         sends: list[PendingSend] = []
@@ -133,14 +136,15 @@ class PipelineSchedule:
                 assert live[s, m].output is not None
                 sends.append(transfers.send(live[s, m].output.detach(), stage.peer(s + 1), stage.group))  # type: ignore[union-attr]
             elif kind in (ActionKind.B, ActionKind.I):
-                sync = getattr(stage.module, "set_requires_gradient_sync", None)
-                if sync is not None:
-                    sync(sync_grads and index == last_backward[s])
+                _set_gradient_sync(stage.module, sync_grads, last=index == last_weights[s])
                 loss = self._backward(stage, m, live, recvs, weights=kind is ActionKind.B)
                 if loss is not None:
                     result_losses[m] = loss
             elif kind is ActionKind.W:
+                _set_gradient_sync(stage.module, sync_grads, last=False)  # its hooks (FSDP's pre-backward) only stash
                 self._weight_backward(stage, m, live)
+                if index == last_weights[s]:
+                    _finish_weight_backward(stage.module, sync_grads)
             elif kind is ActionKind.SEND_B:
                 acts = live[s, m]
                 assert acts.input_grad is not None, f"stage {s} microbatch {m}: SEND_B before its B or I"
@@ -260,10 +264,35 @@ class PipelineSchedule:
             if acts.weight_grads is not None:
                 backward_weight(acts.weight_grads)
             else:
-                torch.autograd.backward(target, acts.output_grad, inputs=_params(stage))
+                backward_all_weights(target, acts.output_grad, _params(stage))
         acts.output = acts.loss = acts.output_grad = acts.weight_grads = None
         acts.weights_done = True
         _release(live, s, m)
+
+
+def _last_weight_actions(actions: Sequence[Action]) -> dict[int, int]:
+    """Per stage, the index of the action that completes its weight gradients for the step (its last B or W)."""
+    return {a.stage: i for i, a in enumerate(actions) if a.kind in (ActionKind.B, ActionKind.W)}
+
+
+def _set_gradient_sync(module: torch.nn.Module, sync_grads: bool, *, last: bool) -> None:
+    """A data-parallel stage (FSDP, DDP) reduces its gradients in the step's last weight backward only, and
+    FSDP keeps its parameters unsharded until then: one all-gather and one reduce-scatter per group and
+    step, whatever the number of microbatches (torch's pipelining stage does the same)."""
+    sync = getattr(module, "set_requires_gradient_sync", None)
+    if sync is not None:
+        sync(sync_grads and last)
+    reshard = getattr(module, "set_reshard_after_backward", None)
+    if reshard is not None:
+        reshard(last)
+
+
+def _finish_weight_backward(module: torch.nn.Module, sync_grads: bool) -> None:
+    """After a stage's last W: reduce what its Ws accumulated (outside autograd's hooks) and reshard."""
+    _set_gradient_sync(module, sync_grads, last=True)
+    finish = getattr(module, "finish_backward", None)
+    if finish is not None:
+        finish()
 
 
 def _params(stage: PipelineStage) -> list[torch.Tensor]:

@@ -56,10 +56,23 @@ def backward_weight(pending: WeightGradients) -> None:
             continue
         grads = [g for g in received if g is not None]
         found = torch.autograd.grad(edges, [get_gradient_edge(p) for p in params], grads, allow_unused=True)
-        for p, g in zip(params, found):
-            if g is not None:
-                p.grad = g if p.grad is None else p.grad + g
+        _accumulate(params, found)
     pending.received.clear()
+
+
+def backward_all_weights(output: torch.Tensor, grad: torch.Tensor | None, params: Sequence[torch.Tensor]) -> None:
+    """W as one whole backward from `output` (the first stage, or a weight used at two branch points),
+    accumulated into `.grad` as `backward_weight` does: outside the engine's AccumulateGrad, so a data-parallel
+    module's gradient hooks see every W alike and its backward is ended once, by the caller."""
+    params = list(params)
+    found = torch.autograd.grad(output, params, grad, allow_unused=True)
+    _accumulate(params, found)
+
+
+def _accumulate(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
+    for p, g in zip(params, grads):
+        if g is not None:
+            p.grad = g if p.grad is None else p.grad + g
 
 
 def _keep(received: dict[int, tuple[torch.Tensor | None, ...]], index: int):

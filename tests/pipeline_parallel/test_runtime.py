@@ -122,51 +122,84 @@ def test_fsdp_actions_are_refused_naming_how_fsdp_runs_instead() -> None:
         PipelineSchedule([], [a for a in actions if a is not None], _loss)
 
 
-def _fsdp_reduce_scatters(sync_grads: bool, hsdp: bool = False) -> tuple[int, bool] | tuple[int, int, bool]:
-    """PP(2) x FSDP(2) on 4 ranks (or PP(2) x HSDP(2, 2) on 8), 4 microbatches of 1F1B: the reduce-scatters
-    (and HSDP's all-reduces) of one step, and whether the stage's gradients equal the whole model's (the
-    same data on every dp rank)."""
+def _data_parallel_stage_step(schedule_name: str, stages_per_rank: int, dp: str, sync_grads: bool = True) -> dict:
+    """PP(2) x FSDP(2) / DDP(2) on 4 ranks (or PP(2) x HSDP(2, 2) on 8), 4 microbatches: the collectives of
+    one step and whether each stage's gradients equal the whole model's (the same data on every dp rank, so
+    the dp average is the gradient of one of them)."""
+    from parallelisms.data_parallel import replicate
     from parallelisms.dtensor import init_device_mesh
     from parallelisms.dtensor.debug import CommDebugMode
     from parallelisms.fsdp import fully_shard
 
-    if hsdp:
+    if dp == "hsdp":
         mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp_replicate", "dp_shard"))
         dp_mesh = mesh["dp_replicate", "dp_shard"]
     else:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
         dp_mesh = mesh["dp"]
-    pp_rank, m = mesh.get_local_rank("pp"), 4
-    spec = get_schedule("1F1B")
-    mapping = stage_to_rank(2, 1, spec.placement)
-    model = _whole_model(2)
-    part = fully_shard(_stage_part(model, pp_rank), mesh=dp_mesh)
+    pp_rank, m, pp = mesh.get_local_rank("pp"), 4, 2
+    spec = get_schedule(schedule_name)
+    num_stages = pp * stages_per_rank
+    mapping = stage_to_rank(pp, stages_per_rank, spec.placement)
+    mine = rank_to_stages(pp, stages_per_rank, spec.placement)[pp_rank]
+    model = _whole_model(num_stages)
     meta = BoundaryMeta((MB, DIM), torch.float32)
-    stage = PipelineStage(part, pp_rank, 2, mesh["pp"].get_group(), mapping, torch.device("cpu"),
-                          None if pp_rank == 0 else meta, None if pp_rank == 1 else meta)  # fmt: skip
-    actions = [a for a in lower_schedule(spec.generate(2, 1, m), mapping, m)[pp_rank] if a is not None]
+    parts, stages = {}, []
+    for s in mine:
+        part = _stage_part(model, s)
+        if dp == "ddp":
+            parts[s] = replicate(part, dp_mesh)
+        else:  # the trainer's choice under PP: parameters stay gathered between forward and backward
+            parts[s] = fully_shard(part, mesh=dp_mesh, reshard_after_forward=False)
+        stages.append(PipelineStage(parts[s], s, num_stages, mesh["pp"].get_group(), mapping, torch.device("cpu"),
+                                    None if s == 0 else meta, None if s == num_stages - 1 else meta))  # fmt: skip
+    actions = [a for a in lower_schedule(spec.generate(pp, stages_per_rank, m), mapping, m)[pp_rank] if a is not None]
     inputs, targets = _microbatches(m)
     with CommDebugMode() as comm:
-        PipelineSchedule([stage], actions, _loss).step(inputs, targets, sync_grads=sync_grads)
-    counts = comm.get_comm_counts()
-    scatters = counts.get(torch.ops.c10d_functional.reduce_scatter_tensor, 0)
-    reduces = counts.get(torch.ops.c10d_functional.all_reduce, 0)
-    reference = _whole_model(2)
+        PipelineSchedule(stages, actions, _loss).step(
+            inputs if 0 in mine else None, targets if num_stages - 1 in mine else None, sync_grads=sync_grads
+        )
+    counts = {name: v for k, v in comm.get_comm_counts().items() if (name := str(k).split(".")[-1]) not in _P2P}
+    reference = _whole_model(num_stages)
     sum(_loss(reference(x), y) for x, y in zip(inputs, targets)).backward()  # type: ignore[union-attr]
-    expected = [p.grad for p in _stage_part(reference, pp_rank).parameters()]
-    got = [p.grad.full_tensor() for p in part.parameters()] if sync_grads else []
-    # FSDP averages over its 2 ranks, which saw the same microbatches: the gradient of one of them
-    same = all(torch.allclose(g, e, rtol=1e-5, atol=1e-6) for g, e in zip(got, expected))
-    return (scatters, reduces, same) if hsdp else (scatters, same)
+    same = True
+    for s in mine if sync_grads else ():
+        for got, expected in zip(parts[s].parameters(), _stage_part(reference, s).parameters()):
+            grad = got.grad.full_tensor() if dp != "ddp" else got.grad
+            same = same and torch.allclose(grad, expected.grad, rtol=1e-5, atol=1e-6)
+    sharded = all(p.grad is not None and p.grad._local_tensor.numel() < p.numel() for s in mine
+                  for p in parts[s].parameters()) if dp != "ddp" and sync_grads else None  # fmt: skip
+    return {"counts": counts, "same": same if sync_grads else None, "stages": len(mine), "sharded": sharded}
 
 
-def test_fsdp_inside_a_stage_reduces_once_per_step_in_its_last_backward() -> None:
-    for scatters, same in run_world(_fsdp_reduce_scatters, 4, True):
-        assert scatters == 1 and same, (scatters, same)  # one group, one reduce-scatter for 4 microbatches
-    for scatters, _ in run_world(_fsdp_reduce_scatters, 4, False):
-        assert scatters == 0  # accumulating across calls: nothing reduced yet
+_P2P = {"send", "recv_"}  # the pipeline's own transfers
+_SCHEDULES = [("1F1B", 1), ("Interleaved1F1B", 2), ("InterleavedZeroBubble", 2), ("ZBVZeroBubble", 2)]
+
+
+@pytest.mark.parametrize("schedule, stages_per_rank", _SCHEDULES)
+def test_fsdp_inside_stages_gathers_and_reduces_once_per_step(schedule: str, stages_per_rank: int) -> None:
+    """4 microbatches, one FSDP group per stage: one all-gather (the parameters stay unsharded across the
+    microbatches) and one reduce-scatter per stage and step, also when W comes after I (zero bubble)."""
+    for got in run_world(_data_parallel_stage_step, 4, schedule, stages_per_rank, "fsdp"):
+        n = got["stages"]
+        assert got["counts"] == {"all_gather_into_tensor": n, "reduce_scatter_tensor": n}, got
+        assert got["same"] and got["sharded"], got
+
+
+def test_fsdp_inside_a_stage_accumulating_across_steps_reduces_nothing() -> None:
+    for got in run_world(_data_parallel_stage_step, 4, "InterleavedZeroBubble", 2, "fsdp", False):
+        assert got["counts"] == {"all_gather_into_tensor": 2}, got  # gathered once; nothing reduced yet
+
+
+@pytest.mark.parametrize("schedule, stages_per_rank", [("1F1B", 1), ("ZBVZeroBubble", 2)])
+def test_ddp_inside_stages_all_reduces_once_per_step(schedule: str, stages_per_rank: int) -> None:
+    for got in run_world(_data_parallel_stage_step, 4, schedule, stages_per_rank, "ddp"):
+        n = got["stages"]  # one bucket per (small) stage; the first synced step also agrees its bucket order
+        assert got["counts"] == {"all_reduce": n, "broadcast": n}, got
+        assert got["same"], got
 
 
 def test_hsdp_inside_a_stage_reduce_scatters_and_all_reduces_once_per_step() -> None:
-    for scatters, reduces, same in run_world(_fsdp_reduce_scatters, 8, True, True):  # type: ignore[misc]
-        assert (scatters, reduces, same) == (1, 1, True)  # 4 microbatches: one of each for the group
+    for got in run_world(_data_parallel_stage_step, 8, "1F1B", 1, "hsdp"):
+        assert got["counts"] == {"all_gather_into_tensor": 1, "reduce_scatter_tensor": 1, "all_reduce": 1}, got
+        assert got["same"], got

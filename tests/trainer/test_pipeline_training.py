@@ -38,13 +38,14 @@ def one_process(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
         (2, [*PP2, "--parallelism.pipeline_parallel_schedule", "GPipe", *MB2]),
         (4, ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "2"]),  # PP(2) x FSDP(2)
         (4, [*PP2, "--parallelism.tensor_parallel_degree", "2"]),  # PP(2) x TP(2), loss parallel on the last stage
-        (2, [*PP2, "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]),  # split backward, V placement
+        (4, ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "2",
+             "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]),  # split backward, V placement, FSDP(2)
         (8, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2",
              "--training.local_batch_size", "2"]),  # PP(2) x FSDP(2) x TP(2)
         (4, [*PP2, "--parallelism.data_parallel_replicate_degree", "2",
              "--training.local_batch_size", "2"]),  # PP(2) x DDP(2)
     ],
-    ids=["pp2_1f1b", "pp2_interleaved", "pp2_gpipe_mb2", "pp2_fsdp2", "pp2_tp2", "pp2_zbv", "pp2_fsdp2_tp2",
+    ids=["pp2_1f1b", "pp2_interleaved", "pp2_gpipe_mb2", "pp2_fsdp2", "pp2_tp2", "pp2_zbv_fsdp2", "pp2_fsdp2_tp2",
          "pp2_ddp2"],
 )  # fmt: skip
 def test_pipelined_training_follows_one_process(
@@ -95,7 +96,6 @@ def test_a_csv_schedule_trains_like_the_named_one(tmp_path: Path, one_process: l
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"], "split backward. with data parallelism"),
         (["--validation.enable", "--validation.seq_len", "32"], "validation.seq_len.32. under pipeline"),
         (["--parallelism.pipeline_parallel_microbatch_size", "3"], "must be a multiple of"),
         (
