@@ -80,7 +80,8 @@ def main() -> int:
             print(f"| {row.name} | {row.tokens_per_s:,.0f} | refused | - | {mem} | - | - | - | {seconds:.0f} | "
                   f"{row.note}: {refusal} |")  # fmt: skip
             continue
-        tps, peak = report["tokens_per_s_per_device"], report["ranks"][0]["memory_bytes"]["peak"] / GIB
+        # torchtitan reports the maximum over all GPUs (its footnote 1): under PP, the busiest stage's
+        tps, peak = report["tokens_per_s_per_device"], max(r["memory_bytes"]["peak"] for r in report["ranks"]) / GIB
         mem_pub = f"{row.memory_gib}" if row.memory_gib else "-"
         mem_ratio = f"{peak / row.memory_gib:.2f}" if row.memory_gib else "-"
         print(f"| {row.name} | {row.tokens_per_s:,.0f} | {tps:,.0f} | {tps / row.tokens_per_s:.2f} | {mem_pub} | "

@@ -262,6 +262,7 @@ def _measured_step(
 ) -> StepTrace:  # fmt: skip
     """Run `step` once over this rank's share of `micro` (context parallelism shards each sequence), under the
     live-bytes tracker and the collective counter, and read the trace off them."""
+    _create_optimizer_state(model, optimizer)
     live.where, live.stage = position.where, position.stage
     live.reset_peak()
     live.flops = 0
@@ -280,6 +281,17 @@ def _measured_step(
         executed_flops=live.flops, flops_per_token=fpt, local_tokens=sum(x.numel() for x, _ in micro),
         n_layers=n_layers,
     )  # fmt: skip
+
+
+def _create_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Give the optimizer its state before the measured step, as every step after the first has it: the peak
+    reported is a steady step's (torchtitan reads memory mid-run), not the first step's, which lacks it. One
+    step on zero gradients makes the state; the moments stay zero."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def trace_pipeline_step(
