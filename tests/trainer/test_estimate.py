@@ -102,17 +102,10 @@ LAYOUTS = {  # name -> (world size, overrides)
     "ddp2": (2, ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]),
     "hsdp2x2": (4, ["--parallelism.data_parallel_replicate_degree", "2"]),
     "cp2_ring": (2, [*CP2, "--parallelism.context_parallel_rotate_method", "alltoall"]),
-    "pp2": (
-        2,
-        [
-            "--parallelism.data_parallel_shard_degree",
-            "1",
-            "--parallelism.pipeline_parallel_degree",
-            "2",
-            "--training.local_batch_size",
-            "2",
-        ],
-    ),  # fmt: skip
+    # PP(2) x FSDP(2) under a split backward (V placement, 2 stages per rank): one all-gather and one
+    # reduce-scatter per stage and step, W's gradients reduced after the stage's last W
+    "pp2_fsdp2_zbv": (4, ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "2",
+                          "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]),
     # 8 microbatches: the estimate traces 3 and 4 and extrapolates (trace_step_sampled); the real run all 8
     "pp2_1f1b_8mb": (2, [*PP2, "--training.local_batch_size", "8"]),
     "pp2_gpipe_8mb": (2, [*PP2, "--parallelism.pipeline_parallel_schedule", "GPipe",
