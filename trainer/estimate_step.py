@@ -36,6 +36,7 @@ from parallelisms.pipeline_parallel import stage_to_rank
 
 from .data_files import accumulation_steps
 from .estimate_memory import LiveBytes, MemoryReport, track_live_bytes
+from .estimate_microbatches import microbatch_samples
 from .job_config import JobConfig
 from .metrics import flops_per_token
 from .optim import build_optimizer
@@ -438,19 +439,27 @@ def _sampled_blocks(cfg: JobConfig, runtime: Runtime, fake: bool, blocks: int) -
     return extrapolate(small, large, blocks)
 
 
-def _sampled_microbatches(cfg: JobConfig, runtime: Runtime, fake: bool, blocks: int) -> StepTrace:
-    """A single-stage schedule's step (GPipe, 1F1B) from its steps of pp + 1 and pp + 2 pipeline microbatches,
-    extrapolated: past pp microbatches every stage's in-flight activations have stopped growing (1F1B) or
-    grow by one microbatch each (GPipe), and every other count grows by one microbatch's, so the step is
-    affine in the microbatches. A 405B stage's 32 microbatches cost what 19 do. Multi-stage schedules, whose
-    warm-up depends on the microbatch count in rounds, are traced whole."""
+def _sampled_microbatches(cfg: JobConfig, runtime: Runtime, trace: Callable[[JobConfig], StepTrace]) -> StepTrace:
+    """This rank's pipeline step (`trace` of a config) traced at two smaller microbatch counts and put on a line
+    (`estimate_microbatches`: the simulator picks the cheapest pair that gives the real count's peak); traced
+    at the real count when no pair is cheaper."""
     pp, size = runtime.parallel_dims.pp, cfg.parallelism.pipeline_parallel_microbatch_size
-    m, m1, m2 = cfg.training.local_batch_size // size, pp + 1, pp + 2
-    if stages_per_rank(cfg) > 1 or m1 + m2 >= m:
-        return _sampled_blocks(cfg, runtime, fake, blocks)
-    small = _sampled_blocks(_with_microbatches(cfg, m1, runtime.dp_size), runtime, fake, blocks)
-    large = _sampled_blocks(_with_microbatches(cfg, m2, runtime.dp_size), runtime, fake, blocks)
-    return _affine_trace(small, large, m1, m2, m)
+    m = cfg.training.local_batch_size // size
+    rank = runtime.world_mesh["pp"].get_local_rank()
+    samples = microbatch_samples(schedule_spec(cfg), pp, stages_per_rank(cfg), m, rank)
+    if samples is None:
+        return trace(cfg)
+    k1, k2 = samples.small, samples.large
+    small = trace(_with_microbatches(cfg, k1, runtime.dp_size))
+    large = trace(_with_microbatches(cfg, k2, runtime.dp_size))
+    line = _affine_trace(small, large, k1, k2, m)
+    if samples.peak_from_large:  # the warm-up is over at k2: the rank holds what it holds at m
+        peak = large.memory
+        line = dataclasses.replace(
+            line,
+            memory=dataclasses.replace(line.memory, at_peak=peak.at_peak, peak=peak.peak, peak_where=peak.peak_where),
+        )
+    return line
 
 
 def _with_microbatches(cfg: JobConfig, m: int, dp: int) -> JobConfig:
@@ -477,8 +486,8 @@ def trace_step_sampled(cfg: JobConfig, runtime: Runtime, *, fake: bool = True) -
         mine = [s for s, r in mapping.items() if r == rank]
         blocks = sum(sum(f.startswith("layers.") for f in split[s]) for s in mine)
         if blocks <= 2 * len(mine):
-            return trace_pipeline_step(cfg, runtime, fake=fake)
-        return _sampled_microbatches(cfg, runtime, fake, blocks)
+            return _sampled_microbatches(cfg, runtime, lambda c: trace_pipeline_step(c, runtime, fake=fake))
+        return _sampled_microbatches(cfg, runtime, lambda c: _sampled_blocks(c, runtime, fake, blocks))
     n_layers = llama3_configs[cfg.model.flavor].n_layers
     k1, k2 = SAMPLED_LAYERS
     if n_layers <= k2:

@@ -3,7 +3,9 @@
 The schedule's consecutive SEND/RECV actions are posted together, as one `batch_isend_irecv` (torch's
 pipelining batches the same way): NCCL runs a batch's sends and receives as one group, where separately
 posted sends that meet each other on two ranks can wait forever. Each transfer is waited where its data is
-needed (a receive) or at the end of the step (a send). Between one pair of ranks, transfers match in the order
+needed (a receive) or at the end of the step (a send); a send whose batch has finished is let go before each
+compute action, so the tensor it read is freed then, not at the end of the step (NCCL reports completion;
+gloo's send work reads as incomplete until waited, so there sends hold their tensors to the step's end). Between one pair of ranks, transfers match in the order
 both post them (c10d's untagged p2p), which the schedules guarantee.
 """
 
@@ -31,6 +33,11 @@ class _Posted:
                 work.wait()
             self.done = True
 
+    def completed(self) -> bool:
+        """Whether every transfer of the batch has finished, without waiting."""
+        self.done = self.done or all(work.is_completed() for work in self.works)
+        return self.done
+
 
 @dataclass
 class PendingRecv:
@@ -49,6 +56,9 @@ class PendingSend:
 
     def wait(self) -> None:
         self.batch.wait()
+
+    def completed(self) -> bool:
+        return self.batch.completed()
 
 
 class Transfers:

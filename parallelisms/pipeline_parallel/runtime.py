@@ -121,6 +121,7 @@ class PipelineSchedule:
             kind = action.kind
             if kind not in _P2P:
                 transfers.post()  # the run of transfers before this compute, as one batch
+                sends = [send for send in sends if not send.completed()]  # free what finished sending
             if kind is ActionKind.RECV_F:
                 assert stage.input_meta is not None
                 recvs[s, kind, m] = transfers.recv(stage.input_meta, stage.peer(s - 1), stage.device, stage.group)

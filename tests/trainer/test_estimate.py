@@ -106,10 +106,13 @@ LAYOUTS = {  # name -> (world size, overrides)
     # reduce-scatter per stage and step, W's gradients reduced after the stage's last W
     "pp2_fsdp2_zbv": (4, ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "2",
                           "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]),
-    # 8 microbatches: the estimate traces 3 and 4 and extrapolates (trace_step_sampled); the real run all 8
+    # 8 microbatches: the estimate traces two smaller counts the simulator picks (trainer/estimate_microbatches.py:
+    # 1F1B 1 and 2, GPipe 2 and 3, Interleaved1F1B 1 and 4) and extrapolates; the real run traces all 8
     "pp2_1f1b_8mb": (2, [*PP2, "--training.local_batch_size", "8"]),
     "pp2_gpipe_8mb": (2, [*PP2, "--parallelism.pipeline_parallel_schedule", "GPipe",
                           "--training.local_batch_size", "8"]),
+    "pp2_interleaved_8mb": (2, [*PP2, "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
+                                "--training.local_batch_size", "8"]),
 }  # fmt: skip
 
 
