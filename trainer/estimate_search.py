@@ -7,7 +7,8 @@ plain FSDP, between them HSDP), activation checkpointing none / selective / full
 the job's global batch (training.global_batch_size, or the config's local batch x its dp degree): every
 local batch dividing it, largest first, stopping at the first that fits in the device memory less the
 margin (a smaller one only re-gathers FSDP's parameters more often). Each candidate is one
-`trainer.estimate.estimate`; the fitting ones are ranked by tok/s per device.
+`trainer.estimate.estimate`; the fitting ones are ranked by tok/s per device. A layout whose model state
+alone cannot fit is dropped before any estimate, and the layouts are estimated on one process per core.
 
 The pipeline microbatch stays the config's (pipeline_parallel_microbatch_size): under this model a larger
 one only lengthens the bubble (fewer microbatches) and grows the activations 1F1B keeps in flight, so
@@ -18,6 +19,9 @@ from __future__ import annotations
 
 import gc
 import logging
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 from models.llama3 import llama3_configs
@@ -25,11 +29,13 @@ from models.llama3 import llama3_configs
 from .config import load_config
 from .devices import GIB, Device, gpus_per_node
 from .estimate import Estimate, estimate
+from .estimate_step import job_vocab_size
 from .job_config import JobConfig
-from .train import build_parallel_dims
+from .train import build_model, build_parallel_dims
 
 logger = logging.getLogger(__name__)
 AC_MODES = ("none", "selective", "full")
+MIN_LAYOUTS_PER_WORKER = 8  # fewer run in this process: starting a worker costs a few estimates' time
 MAX_CP = 8  # torchtitan's long-context runs stop here; each doubling adds ring passes and halves a block
 
 
@@ -90,50 +96,124 @@ def global_batch(cfg: JobConfig, world_size: int) -> int:
 
 
 def search(
-    cfg: JobConfig, world_size: int, device: Device, *, margin: float, argv: list[str] | None = None
+    cfg: JobConfig,
+    world_size: int,
+    device: Device,
+    *,
+    margin: float,
+    argv: list[str] | None = None,
+    workers: int | None = None,
 ) -> list[tuple[Estimate, list[str]]]:
     """Every fitting candidate with the overrides that run it, best tok/s per device first. `argv`: the
-    config's own command line (the candidates' overrides go after it); the default rebuilds it from `cfg`."""
+    config's own command line (the candidates' overrides go after it); the default rebuilds it from `cfg`.
+    Layouts whose model state cannot fit are dropped without an estimate (`state_bytes_lower_bound`); the
+    others are estimated on `workers` processes (default: one per core this process may use)."""
     base = argv if argv is not None else ["--job.config_file", cfg.job.config_file or ""]
     budget = device.memory_bytes * (1 - margin)
     batch = global_batch(cfg, world_size)
-    found: list[tuple[Estimate, list[str]]] = []
-    for layout in layouts(cfg, world_size, gpus_per_node()):
-        if batch % layout.dp == 0:
-            found += _search_layout(base, layout, batch, world_size, device, budget)
+    n_params = parameter_count(cfg)
+    todo = [
+        layout for layout in layouts(cfg, world_size, gpus_per_node())
+        if batch % layout.dp == 0 and state_bytes_lower_bound(cfg, n_params, layout) <= budget
+    ]  # fmt: skip
+    jobs = [(base, layout, batch, world_size, device, budget) for layout in todo]
+    workers = min(workers or len(os.sched_getaffinity(0)), len(jobs) // MIN_LAYOUTS_PER_WORKER)
+    logger.info("%d layouts to estimate on %d processes", len(jobs), workers)
+    if workers <= 1:
+        per_layout = [_search_layout(*job) for job in jobs]
+    else:  # spawned: a fresh interpreter per worker, no inherited process group or OpenMP state
+        context = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker) as pool:
+            per_layout = list(pool.map(_search_layout, *zip(*jobs)))
+    found = [candidate for candidates in per_layout for candidate in candidates]
     found.sort(key=lambda pair: (-pair[0].tokens_per_s_per_device, pair[0].peak_bytes))
     return found
+
+
+def parameter_count(cfg: JobConfig) -> int:
+    """The model's parameters (built on meta with the job's vocabulary)."""
+    return sum(p.numel() for p in build_model(cfg, job_vocab_size(cfg)).parameters())
+
+
+def state_bytes_lower_bound(cfg: JobConfig, n_params: int, layout: Layout) -> float:
+    """A floor under the busiest rank's parameters, gradients and AdamW's two moments: every parameter split
+    evenly over the ranks that shard it (tp, FSDP's dp_shard x cp, pp stages). The real shards are never
+    smaller on the busiest rank (replicated norms, uneven chunks and stages only add), so a layout over the
+    budget on this floor cannot fit."""
+    element = 2 if cfg.training.dtype == "bfloat16" else 4
+    return 4 * element * n_params / (layout.tp * layout.dp_shard * layout.cp * layout.pp)
+
+
+def _init_worker() -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logger.setLevel(logging.INFO)
 
 
 def _search_layout(
     base: list[str], layout: Layout, batch: int, world_size: int, device: Device, budget: float
 ) -> list[tuple[Estimate, list[str]]]:
     """The fitting candidates of one layout: per AC mode (none first), the largest local batch that fits.
-    Pruned: a layout whose parameters, gradients and optimizer state alone overflow is dropped after one
-    estimate, and once a mode fits at the largest local batch, more recomputation can only be slower."""
-    locals_ = sorted(_divisors(batch // layout.dp), reverse=True)
+
+    The peak grows with the local batch and shrinks with more recomputation, so: the fastest candidate (no
+    AC, the largest local batch) is estimated first, and when it fits it is the layout's only one; then the most
+    frugal (full AC, the smallest local batch), and when it overflows nothing of the layout fits;
+    each mode's largest fitting local batch is found by bisection; and a mode is only tried on local batches
+    above the last mode's, since more recomputation on as many tokens can only be slower."""
+    locals_ = sorted(_divisors(batch // layout.dp))
+    memo: dict[tuple[str, int], Estimate | None] = {}
+
+    def run(ac: str, local: int) -> Estimate | None:
+        if (ac, local) not in memo:
+            memo[ac, local] = _estimate(base, layout, batch, world_size, device, ac, local)
+        return memo[ac, local]
+
+    def fits(ac: str, local: int) -> bool:
+        result = run(ac, local)
+        return result is not None and result.peak_bytes <= budget
+
+    if fits(AC_MODES[0], locals_[-1]):  # no recomputation at the largest local batch: nothing is faster
+        return [(run(AC_MODES[0], locals_[-1]), _overrides(layout, AC_MODES[0], locals_[-1], batch))]  # type: ignore[list-item]
+    if not fits(AC_MODES[-1], locals_[0]):
+        return []
     found: list[tuple[Estimate, list[str]]] = []
+    floor = 0  # locals_[floor:] are larger than the last mode's fit
     for ac in AC_MODES:
-        for local in locals_:
-            overrides = [
-                *layout.overrides(), "--activation_checkpoint.mode", ac,
-                "--training.local_batch_size", str(local), "--training.global_batch_size", str(batch),
-            ]  # fmt: skip
-            gc.collect()  # the last candidate's model, optimizer and meshes (reference cycles)
-            try:
-                result = estimate(load_config([*base, *overrides]), world_size, device)
-            except (ValueError, NotImplementedError) as error:
-                logger.info("skipped %s: %s", " ".join(overrides), error)
-                return found
-            logger.info("%s: peak %.1f GiB", " ".join(overrides), result.peak_bytes / GIB)
-            if result.steady_bytes > budget:
-                return found  # no batch or AC mode makes room for the model state itself
-            if result.peak_bytes <= budget:
-                found.append((result, overrides))
-                if local == locals_[0]:
-                    return found
-                break
+        lo, hi, best = floor, len(locals_) - 1, None
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            if fits(ac, locals_[mid]):
+                best, lo = mid, mid + 1
+            else:
+                hi = mid - 1
+        if best is None:
+            continue
+        found.append((run(ac, locals_[best]), _overrides(layout, ac, locals_[best], batch)))  # type: ignore[arg-type]
+        if best == len(locals_) - 1:
+            break
+        floor = best + 1
     return found
+
+
+def _overrides(layout: Layout, ac: str, local: int, batch: int) -> list[str]:
+    return [
+        *layout.overrides(), "--activation_checkpoint.mode", ac,
+        "--training.local_batch_size", str(local), "--training.global_batch_size", str(batch),
+    ]  # fmt: skip
+
+
+def _estimate(
+    base: list[str], layout: Layout, batch: int, world_size: int, device: Device, ac: str, local: int
+) -> Estimate | None:
+    """One candidate's estimate; None when the pre-flight refuses it (logged)."""
+    overrides = _overrides(layout, ac, local, batch)
+    gc.collect()  # the last candidate's model, optimizer and meshes (reference cycles)
+    try:
+        result = estimate(load_config([*base, *overrides]), world_size, device)
+    except (ValueError, NotImplementedError) as error:
+        logger.info("skipped %s: %s", " ".join(overrides), error)
+        return None
+    logger.info("%s: peak %.1f GiB", " ".join(overrides), result.peak_bytes / GIB)
+    return result
 
 
 def format_candidates(found: list[tuple[Estimate, list[str]]], cfg: JobConfig, *, margin: float) -> str:
