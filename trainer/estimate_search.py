@@ -116,17 +116,35 @@ def search(
         layout for layout in layouts(cfg, world_size, gpus_per_node())
         if batch % layout.dp == 0 and state_bytes_lower_bound(cfg, n_params, layout) <= budget
     ]  # fmt: skip
-    jobs = [(base, layout, batch, world_size, device, budget) for layout in todo]
-    workers = min(workers or len(os.sched_getaffinity(0)), len(jobs) // MIN_LAYOUTS_PER_WORKER)
-    logger.info("%d layouts to estimate on %d processes", len(jobs), workers)
+    families: dict[tuple[int, int, int], list[Layout]] = {}
+    for layout in sorted(todo, key=lambda layout: layout.dp_replicate):
+        families.setdefault((layout.pp, layout.tp, layout.cp), []).append(layout)
+    jobs = [(base, family, batch, world_size, device, budget) for family in families.values()]
+    workers = min(workers or len(os.sched_getaffinity(0)), len(todo) // MIN_LAYOUTS_PER_WORKER)
+    logger.info("%d layouts in %d families to estimate on %d processes", len(todo), len(jobs), max(workers, 1))
     if workers <= 1:
-        per_layout = [_search_layout(*job) for job in jobs]
+        per_family = [_search_family(*job) for job in jobs]
     else:  # spawned: a fresh interpreter per worker, no inherited process group or OpenMP state
         context = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker) as pool:
-            per_layout = list(pool.map(_search_layout, *zip(*jobs)))
-    found = [candidate for candidates in per_layout for candidate in candidates]
+            per_family = list(pool.map(_search_family, *zip(*jobs)))
+    found = [candidate for candidates in per_family for candidate in candidates]
     found.sort(key=lambda pair: (-pair[0].tokens_per_s_per_device, pair[0].peak_bytes))
+    return found
+
+
+def _search_family(
+    base: list[str], family: list[Layout], batch: int, world_size: int, device: Device, budget: float
+) -> list[tuple[Estimate, list[str]]]:
+    """The layouts of one (pp, tp, cp), the most sharded split of the data-parallel ranks first (dp_replicate
+    1): replicating more only adds model state per rank, so once a split cannot fit even its most frugal
+    candidate, no split after it can."""
+    found: list[tuple[Estimate, list[str]]] = []
+    for layout in family:
+        candidates = _search_layout(base, layout, batch, world_size, device, budget)
+        if candidates is None:
+            break
+        found += candidates
     return found
 
 
@@ -136,12 +154,18 @@ def parameter_count(cfg: JobConfig) -> int:
 
 
 def state_bytes_lower_bound(cfg: JobConfig, n_params: int, layout: Layout) -> float:
-    """A floor under the busiest rank's parameters, gradients and AdamW's two moments: every parameter split
-    evenly over the ranks that shard it (tp, FSDP's dp_shard x cp, pp stages). The real shards are never
-    smaller on the busiest rank (replicated norms, uneven chunks and stages only add), so a layout over the
-    budget on this floor cannot fit."""
+    """A floor under the busiest rank's parameters, gradients and AdamW's two moments (and, under PP with
+    FSDP, its stage's gathered parameters): every parameter split evenly over the ranks that shard it (tp,
+    FSDP's dp_shard x cp, pp stages). The real shards are never smaller on the busiest rank (replicated norms,
+    uneven chunks and stages only add), so a layout over the budget on this floor cannot fit."""
     element = 2 if cfg.training.dtype == "bfloat16" else 4
-    return 4 * element * n_params / (layout.tp * layout.dp_shard * layout.cp * layout.pp)
+    state = 4 * element * n_params / (layout.tp * layout.dp_shard * layout.cp * layout.pp)
+    if layout.pp > 1 and layout.dp_shard * layout.cp > 1 and cfg.parallelism.fsdp_reshard_after_forward != "always":
+        # under PP, FSDP keeps a stage's parameters gathered through the step (trainer: reshard_after_forward
+        # = not pp; the runtime: no reshard before the stage's last backward): all of them at its first forward
+        gathered = 2 if cfg.training.mixed_precision_param == "bfloat16" else element
+        state += gathered * n_params / (layout.tp * layout.pp)
+    return state
 
 
 def _init_worker() -> None:
@@ -151,7 +175,7 @@ def _init_worker() -> None:
 
 def _search_layout(
     base: list[str], layout: Layout, batch: int, world_size: int, device: Device, budget: float
-) -> list[tuple[Estimate, list[str]]]:
+) -> list[tuple[Estimate, list[str]]] | None:
     """The fitting candidates of one layout: per AC mode (none first), the largest local batch that fits.
 
     The peak grows with the local batch and shrinks with more recomputation, so: the fastest candidate (no
@@ -159,7 +183,7 @@ def _search_layout(
     frugal (full AC, the smallest local batch), and when it overflows nothing of the layout fits;
     each mode's largest fitting local batch is found by bisection; and a mode is only tried on local batches
     above the last mode's, since more recomputation on as many tokens can only be slower."""
-    locals_ = sorted(_divisors(batch // layout.dp))
+    locals_ = sorted(_divisors(batch // layout.dp))  # None: not even the most frugal candidate fits
     memo: dict[tuple[str, int], Estimate | None] = {}
 
     def run(ac: str, local: int) -> Estimate | None:
@@ -174,7 +198,7 @@ def _search_layout(
     if fits(AC_MODES[0], locals_[-1]):  # no recomputation at the largest local batch: nothing is faster
         return [(run(AC_MODES[0], locals_[-1]), _overrides(layout, AC_MODES[0], locals_[-1], batch))]  # type: ignore[list-item]
     if not fits(AC_MODES[-1], locals_[0]):
-        return []
+        return None
     found: list[tuple[Estimate, list[str]]] = []
     floor = 0  # locals_[floor:] are larger than the last mode's fit
     for ac in AC_MODES:
