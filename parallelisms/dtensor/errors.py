@@ -22,3 +22,8 @@ class ArgumentTypeError(TypeError, RuntimeError):
 class StyleArgumentError(ValueError, AssertionError):
     """Inconsistent arguments to a parallel style, which torch's tensor parallel API rejects with an
     AssertionError (so `assertRaises(AssertionError)` in ported tests keeps passing)."""
+
+
+class LocalMapArgumentError(ValueError, AssertionError):
+    """Placements `local_map` cannot pair with its function's arguments or outputs, which torch's local_map
+    rejects with an AssertionError."""

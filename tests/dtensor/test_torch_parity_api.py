@@ -296,3 +296,61 @@ def test_redistribute_dtypes_and_partial_grads_follow_torch() -> None:
         assert ours["partial grad"][0] and theirs["partial grad"][0]
         assert ours["partial grad"][2] == theirs["partial grad"][2] == 0
         torch.testing.assert_close(ours["partial grad"][1], theirs["partial grad"][1], rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------------------------------
+# experimental.local_map
+# --------------------------------------------------------------------------------------------------
+
+
+def local_map_program(name: str, dt, tp) -> dict[str, Any]:
+    """Y = X @ W on the shards (X row-wise, W replicated), the same with inputs redistributed, gradients
+    through to_local's grad placements, and the refusals; each with the collectives it issued."""
+    import torch.distributed.tensor.experimental as torch_experimental
+    from torch.distributed.tensor.debug import CommDebugMode as TorchCommDebugMode
+
+    import parallelisms.dtensor.experimental as ours_experimental
+    from parallelisms.dtensor.debug import CommDebugMode
+
+    local_map = (ours_experimental if name == "ours" else torch_experimental).local_map
+    comm = CommDebugMode() if name == "ours" else TorchCommDebugMode()
+    mesh = _mesh(name)
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(8, 6, generator=g), torch.randn(6, 5, generator=g)
+    row, rep = [dt.Shard(0)], [dt.Replicate()]
+    x_row = dt.distribute_tensor(x.clone().requires_grad_(), mesh, row)
+    w_rep = dt.distribute_tensor(w.clone().requires_grad_(), mesh, rep)
+    mm = local_map(torch.mm, out_placements=row, in_placements=(row, rep), in_grad_placements=(row, rep))
+    with comm:
+        y = mm(x_row, w_rep)
+    quiet = comm.get_total_counts()
+    y.full_tensor().sum().backward()
+    x_rep = dt.distribute_tensor(x, mesh, rep)
+    moved = local_map(torch.mm, out_placements=row, in_placements=(row, rep), redistribute_inputs=True)(x_rep, w_rep)
+    strict = local_map(torch.mm, out_placements=row, in_placements=(row, rep))
+    decorated = local_map(out_placements=(row, None), device_mesh=mesh)(lambda a: (a * 2, "tag"))
+    doubled, tag = decorated(x_row)
+    return {
+        "y": (y.placements == tuple(row), y.full_tensor(), quiet),
+        "grads": (x_row.grad.placements == tuple(row), x_row.grad.full_tensor(), w_rep.grad.to_local()),
+        "redistributed": moved.full_tensor(),
+        "mismatch": raised(lambda: strict(x_rep, w_rep)),
+        "None for a DTensor": raised(lambda: local_map(torch.mm, row, in_placements=(row, None))(x_row, w_rep)),
+        "plain call": local_map(torch.mm, row, in_placements=(None, None), device_mesh=mesh)(x, w),
+        "decorated": (doubled.full_tensor(), tag),
+    }
+
+
+def test_local_map_runs_on_shards_like_torchs() -> None:
+    for result in run_world(both, 2, local_map_program):
+        ours, theirs = result["ours"], result["torch"]
+        assert ours["y"][0] and theirs["y"][0] and ours["y"][2] == theirs["y"][2] == 0  # no collective
+        torch.testing.assert_close(ours["y"][1], theirs["y"][1], rtol=0, atol=0)
+        for o, t in zip(ours["grads"], theirs["grads"]):
+            assert (o is True and t is True) or torch.equal(o, t)
+        torch.testing.assert_close(ours["redistributed"], theirs["redistributed"], rtol=0, atol=0)
+        assert ours["mismatch"][:2] == theirs["mismatch"][:2] == (True, False)  # ValueError, as torch's
+        assert "mismatched placements" in ours["mismatch"][2] and "redistribute_inputs=True" in ours["mismatch"][2]
+        assert ours["None for a DTensor"] is not None and "expects placements" in ours["None for a DTensor"][2]
+        assert torch.equal(ours["plain call"], theirs["plain call"])  # no DTensor argument: a plain tensor
+        assert torch.equal(ours["decorated"][0], theirs["decorated"][0]) and ours["decorated"][1] == "tag"
