@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import re
 from collections import defaultdict
 from collections.abc import Callable
@@ -34,6 +35,7 @@ from parallelisms.fsdp import MixedPrecisionPolicy
 from parallelisms.parallel_dims import FLATTENED
 from parallelisms.pipeline_parallel import stage_to_rank
 
+from .config import load_config
 from .data_files import accumulation_steps
 from .estimate_memory import LiveBytes, MemoryReport, track_live_bytes
 from .estimate_microbatches import microbatch_samples
@@ -207,18 +209,29 @@ def _optimizer(cfg: JobConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
     )  # fmt: skip
 
 
-def _step_setup(cfg: JobConfig, runtime: Runtime, vocab_size: int | None) -> tuple[int, int, Transformer, float]:
-    """(vocab size, micro-batches per step, the whole model on meta, its FLOPs per token), as the trainer has them."""
+def _step_setup(
+    cfg: JobConfig, runtime: Runtime, vocab_size: int | None, n_layers: int | None = None
+) -> tuple[int, int, Transformer, float]:
+    """(vocab size, micro-batches per step, the model on meta (its first `n_layers` blocks only, when given),
+    the whole model's FLOPs per token), as the trainer has them."""
     vocab = vocab_size or job_vocab_size(cfg)
     training = cfg.training
     global_batch = training.global_batch_size if training.global_batch_size > 0 else 0
     n_micro = accumulation_steps(global_batch, training.local_batch_size, runtime.dp_size) if global_batch else 1
     torch.manual_seed(int(training.seed or 0))
+    fpt = _whole_model_flops_per_token(cfg.model.name, cfg.model.flavor, vocab, training.seq_len)
+    return vocab, n_micro, build_model(cfg, vocab, n_layers=n_layers), fpt
+
+
+@functools.lru_cache(maxsize=8)
+def _whole_model_flops_per_token(name: str, flavor: str, vocab: int, seq_len: int) -> float:
+    """trainer.metrics' FLOPs per token of the whole model, built once per process on meta (a 405B build takes
+    half a second; a search traces hundreds of models of a few blocks each)."""
+    cfg = load_config(["--model.name", name, "--model.flavor", flavor, "--training.seq_len", str(seq_len)])
     model = build_model(cfg, vocab)
     args = model.model_args
-    fpt = flops_per_token(model, n_layers=args.n_layers, n_heads=args.n_heads, head_dim=args.head_dim,
-                          seq_len=training.seq_len)  # fmt: skip
-    return vocab, n_micro, model, fpt
+    return flops_per_token(model, n_layers=args.n_layers, n_heads=args.n_heads, head_dim=args.head_dim,
+                           seq_len=seq_len)  # fmt: skip
 
 
 def trace_step(
@@ -226,13 +239,9 @@ def trace_step(
 ) -> StepTrace:
     """Build the model with the trainer's recipe and run one training step on this rank, traced; with `layers`
     only the first `layers` blocks are kept (see `trace_step_sampled`)."""
-    vocab, n_micro, model, fpt = _step_setup(cfg, runtime, vocab_size)
+    vocab, n_micro, model, fpt = _step_setup(cfg, runtime, vocab_size, n_layers=layers)  # fpt: the whole model's
     training = cfg.training
-    n_layers = model.model_args.n_layers  # fpt is the whole model's, sampled or not
-    if layers is not None and layers < n_layers:
-        for i in range(layers, n_layers):
-            del model.layers[str(i)]
-        n_layers = layers
+    n_layers = model.model_args.n_layers
     _parallelize(cfg, runtime, model)
     comm = MeshCommDebugMode(group_names(runtime.world_mesh))
     fakes = contextlib.ExitStack()
@@ -302,12 +311,12 @@ def trace_pipeline_step(
     microbatch of the step run (so the schedule's activation peak is the one measured). With `blocks_per_stage`
     every stage keeps only that many blocks, its other modules (embedding, norm, output) as they are (see
     `trace_step_sampled`)."""
-    vocab, n_micro, whole, fpt = _step_setup(cfg, runtime, vocab_size)
-    training, args = cfg.training, whole.model_args
+    n_layers = None
     if blocks_per_stage is not None:
         cfg = _with_blocks_per_stage(cfg, blocks_per_stage)
-        for i in range(blocks_per_stage * len(cfg.parallelism.module_fqns_per_model_part or ()), args.n_layers):
-            del whole.layers[str(i)]
+        n_layers = blocks_per_stage * len(cfg.parallelism.module_fqns_per_model_part or ())
+    vocab, n_micro, whole, fpt = _step_setup(cfg, runtime, vocab_size, n_layers=n_layers)
+    training = cfg.training
     pp_mesh = runtime.world_mesh["pp"]
     parts, stage_ids = split_for_rank(cfg, whole, pp_mesh.get_local_rank(), pp_mesh.size())
     for part in parts:

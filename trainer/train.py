@@ -136,9 +136,10 @@ def check_unsupported(cfg: JobConfig, device: torch.device) -> None:
         )
 
 
-def build_model(cfg: JobConfig, vocab_size: int) -> Transformer:
+def build_model(cfg: JobConfig, vocab_size: int, *, n_layers: int | None = None) -> Transformer:
     """The flavor's Transformer on the meta device (no memory; `init_model` allocates the shards
-    after parallelization), its vocabulary the tokenizer's and max_seq_len seq_len."""
+    after parallelization), its vocabulary the tokenizer's and max_seq_len seq_len; with `n_layers`, only
+    its first blocks (the dry run's sampled traces)."""
     if cfg.model.name != "llama3":
         raise ValueError(f"model.name={cfg.model.name!r}: only 'llama3' is available")
     if cfg.model.flavor not in llama3_configs:
@@ -146,6 +147,8 @@ def build_model(cfg: JobConfig, vocab_size: int) -> Transformer:
     args = dataclasses.replace(
         llama3_configs[cfg.model.flavor], vocab_size=vocab_size, max_seq_len=cfg.training.seq_len
     )
+    if n_layers is not None:
+        args = dataclasses.replace(args, n_layers=n_layers)
     with torch.device("meta"):
         return Transformer(args)
 
