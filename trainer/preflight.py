@@ -243,6 +243,12 @@ def _check_pipeline(cfg: JobConfig) -> None:
             f"(or 0): the stages' boundary activations have one shape"
         )
     spec = schedule_spec(cfg)  # a CSV schedule's file is read and checked here
+    if spec.split_backward and p.fsdp_reshard_after_forward == "always":
+        raise ValueError(
+            f"parallelism.fsdp_reshard_after_forward='always' with parallelism.pipeline_parallel_schedule="
+            f"{spec.name!r}: a split backward computes the weight gradients (W) after the input's (I), from the "
+            f"gathered parameters the forward used, which resharding after forward frees; set it to 'default'"
+        )
     val_batch = cfg.validation.local_batch_size or training.local_batch_size
     if p.pipeline_parallel_schedule_csv and cfg.validation.enable and val_batch != training.local_batch_size:
         raise NotImplementedError(

@@ -5,8 +5,9 @@ pipelining batches the same way): NCCL runs a batch's sends and receives as one 
 posted sends that meet each other on two ranks can wait forever. Each transfer is waited where its data is
 needed (a receive) or at the end of the step (a send); a send whose batch has finished is let go before each
 compute action, so the tensor it read is freed then, not at the end of the step (NCCL reports completion;
-gloo's send work reads as incomplete until waited, so there sends hold their tensors to the step's end). Between one pair of ranks, transfers match in the order
-both post them (c10d's untagged p2p), which the schedules guarantee.
+gloo's send work reads as incomplete until waited, so there sends hold their tensors to the step's end).
+Between one pair of ranks, transfers match in the order both post them (c10d's untagged p2p), which the
+schedules guarantee.
 """
 
 from __future__ import annotations

@@ -66,6 +66,8 @@ def backward_all_weights(output: torch.Tensor, grad: torch.Tensor | None, params
     module's gradient hooks see every W alike and its backward is ended once, by the caller."""
     params = list(params)
     found = torch.autograd.grad(output, params, grad, allow_unused=True)
+    if params and all(g is None for g in found):
+        raise _parameters_not_in_graph()
     _accumulate(params, found)
 
 
@@ -86,7 +88,8 @@ def _branches(
     output: torch.Tensor, input: torch.Tensor, params: Sequence[torch.Tensor]
 ) -> list[tuple[Node, list[torch.Tensor]]] | None:
     """The nodes on the activation path (they reach `input`) with next nodes that reach parameters but
-    not `input`, each with those parameters; None when a parameter branches off at two nodes."""
+    not `input`, each with those parameters; None when a parameter branches off at two nodes. Raises when
+    the graph reaches none of `params`: they are not the tensors the forward used."""
     input_node = get_gradient_edge(input).node
     param_of = {get_gradient_edge(p).node: p for p in params}
     reaches_input: dict[Node, bool] = {}
@@ -109,7 +112,18 @@ def _branches(
             return None
         claimed |= ids
         branches.append((node, [by_id[i] for i in ids]))
+    if params and not claimed:
+        raise _parameters_not_in_graph()
     return branches
+
+
+def _parameters_not_in_graph() -> RuntimeError:
+    return RuntimeError(
+        "split backward: none of the stage's parameters is in its forward's graph, so W would compute no weight "
+        "gradient; the module swapped them after forward (fully_shard with reshard_after_forward=True registers "
+        "the sharded ones): keep them gathered until W (reshard_after_forward=False, the trainer's "
+        "parallelism.fsdp_reshard_after_forward='default' under PP)"
+    )
 
 
 def _post_order(root: Node) -> list[Node]:

@@ -12,7 +12,7 @@ from torch import nn
 from parallelisms.pipeline_parallel import get_schedule, lower_schedule, rank_to_stages, stage_to_rank
 from parallelisms.pipeline_parallel.runtime import PipelineSchedule
 from parallelisms.pipeline_parallel.stage import BoundaryMeta, PipelineStage
-from tests.world import run_world
+from tests.world import WorldError, run_world
 
 DIM, MB, LAYERS_PER_STAGE = 8, 3, 2
 
@@ -122,7 +122,9 @@ def test_fsdp_actions_are_refused_naming_how_fsdp_runs_instead() -> None:
         PipelineSchedule([], [a for a in actions if a is not None], _loss)
 
 
-def _data_parallel_stage_step(schedule_name: str, stages_per_rank: int, dp: str, sync_grads: bool = True) -> dict:
+def _data_parallel_stage_step(
+    schedule_name: str, stages_per_rank: int, dp: str, sync_grads: bool = True, reshard_after_forward: bool = False
+) -> dict:
     """PP(2) x FSDP(2) / DDP(2) on 4 ranks (or PP(2) x HSDP(2, 2) on 8), 4 microbatches: the collectives of
     one step and whether each stage's gradients equal the whole model's (the same data on every dp rank, so
     the dp average is the gradient of one of them)."""
@@ -150,7 +152,7 @@ def _data_parallel_stage_step(schedule_name: str, stages_per_rank: int, dp: str,
         if dp == "ddp":
             parts[s] = replicate(part, dp_mesh)
         else:  # the trainer's choice under PP: parameters stay gathered between forward and backward
-            parts[s] = fully_shard(part, mesh=dp_mesh, reshard_after_forward=False)
+            parts[s] = fully_shard(part, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
         stages.append(PipelineStage(parts[s], s, num_stages, mesh["pp"].get_group(), mapping, torch.device("cpu"),
                                     None if s == 0 else meta, None if s == num_stages - 1 else meta))  # fmt: skip
     actions = [a for a in lower_schedule(spec.generate(pp, stages_per_rank, m), mapping, m)[pp_rank] if a is not None]
@@ -184,6 +186,13 @@ def test_fsdp_inside_stages_gathers_and_reduces_once_per_step(schedule: str, sta
         n = got["stages"]
         assert got["counts"] == {"all_gather_into_tensor": n, "reduce_scatter_tensor": n}, got
         assert got["same"] and got["sharded"], got
+
+
+def test_fsdp_resharding_after_forward_inside_zero_bubble_stages_is_refused_at_the_first_input_backward() -> None:
+    """reshard_after_forward=True swaps the gathered parameters out before W needs them: a named error at the
+    first I, not a silent zero weight gradient."""
+    with pytest.raises(WorldError, match="split backward: none of the stage's parameters.*reshard_after_forward"):
+        run_world(_data_parallel_stage_step, 4, "ZBVZeroBubble", 2, "fsdp", True, True)
 
 
 def test_fsdp_inside_a_stage_accumulating_across_steps_reduces_nothing() -> None:

@@ -97,6 +97,15 @@ def test_a_csv_schedule_trains_like_the_named_one(tmp_path: Path, one_process: l
     "overrides, message",
     [
         (["--validation.enable", "--validation.seq_len", "32"], "validation.seq_len.32. under pipeline"),
+        (
+            [
+                "--parallelism.pipeline_parallel_schedule",
+                "ZBVZeroBubble",
+                "--parallelism.fsdp_reshard_after_forward",
+                "always",
+            ],
+            "fsdp_reshard_after_forward='always' with .*ZBVZeroBubble",
+        ),  # fmt: skip
         (["--parallelism.pipeline_parallel_microbatch_size", "3"], "must be a multiple of"),
         (
             [
