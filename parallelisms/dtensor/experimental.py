@@ -84,28 +84,27 @@ def _local_argument(
     arg: DTensor, i: int, in_placements: tuple[PlacementType, ...] | None,
     in_grad_placements: tuple[PlacementType, ...] | None, redistribute: bool,
 ) -> torch.Tensor:  # fmt: skip
-    if in_placements is not None:
-        wanted = in_placements[i]
-        if wanted is None:
-            raise LocalMapArgumentError(f"local_map: argument {i} is a DTensor {tuple(arg.placements)} and expects "
-                                        f"placements, but in_placements[{i}] is None; name them")  # fmt: skip
-        wanted = tuple(wanted)
-        if tuple(arg.placements) != wanted:
-            if not redistribute:
-                raise ValueError(
-                    f"local_map: argument {i} has mismatched placements {tuple(arg.placements)}: in_placements[{i}] "
-                    f"is {wanted}; redistribute it first, or pass redistribute_inputs=True to local_map"
-                )
-            arg = arg.redistribute(placements=wanted)
-    grad = None
-    if in_grad_placements is not None:
-        grad = in_grad_placements[i]
-        if grad is None:
-            raise LocalMapArgumentError(f"local_map: argument {i} is a DTensor and expects in grad placements, "
-                                        f"but in_grad_placements[{i}] is None; name its gradient's")  # fmt: skip
-        grad = tuple(grad)
+    wanted = _named(in_placements, i, "in_placements", "placements")
+    if wanted is not None and tuple(arg.placements) != wanted:
+        if not redistribute:
+            raise ValueError(
+                f"local_map: argument {i} has mismatched placements {tuple(arg.placements)}: in_placements[{i}] "
+                f"is {wanted}; redistribute it first, or pass redistribute_inputs=True to local_map"
+            )
+        arg = arg.redistribute(placements=wanted)
+    grad = _named(in_grad_placements, i, "in_grad_placements", "in grad placements")
     local = arg.to_local(grad_placements=grad)
     return local.wait() if isinstance(local, PendingTensor) else local
+
+
+def _named(given: tuple[PlacementType, ...] | None, i: int, name: str, what: str) -> tuple[Placement, ...] | None:
+    """The placements `given` names for DTensor argument i (None when `given` is None: unchecked)."""
+    if given is None:
+        return None
+    if given[i] is None:
+        raise LocalMapArgumentError(f"local_map: argument {i} is a DTensor and expects {what}, but {name}[{i}] "
+                                    f"is None; name them")  # fmt: skip
+    return tuple(given[i])  # type: ignore[arg-type]
 
 
 def _wrap_outputs(out: Any, out_placements: Any, mesh: DeviceMesh) -> Any:
