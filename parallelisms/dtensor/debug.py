@@ -100,8 +100,9 @@ class _ModuleTracker(ModuleTracker):
         self._get_append_fn(name, False)()
         tensors = [a for a in tree_flatten(input)[0] if isinstance(a, torch.Tensor) and a.requires_grad]
         if tensors:
-            mode = "any" if any(t.grad_fn is None for t in tensors) else "all"
-            self._hooks.append(register_multi_grad_hook(tensors, self._get_pop_fn(name, True), mode=mode))
+            pop = self._get_pop_fn(name, True)
+            leaf = any(t.grad_fn is None for t in tensors)
+            self._hooks.append(register_multi_grad_hook(tensors, pop, mode="any" if leaf else "all"))
         if id(mod) not in self._post_hooks:
             self._post_hooks[id(mod)] = mod.register_forward_hook(self._fw_post_hook)
 
