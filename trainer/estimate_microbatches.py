@@ -1,12 +1,12 @@
 """Which pipeline microbatch counts the estimator traces instead of the step's own: two smaller counts whose
-traces give the real one's by a line (`estimate_step._affine_trace`), chosen by simulating the schedule
-without processes: from each rank's action list.
+traces give the real one's by a line (`estimate_step._affine_trace`), chosen from the rank's own action list
+(no process runs, no simulation: the in-flight counts on a rank depend only on its order of actions).
 
 Every count of a pipeline step grows by the same amount with each microbatch: its forwards, backwards and
 transfers, the FLOPs and tokens, the tensor-parallel collectives; FSDP's gather and reduction happen once per
 step. So the traces at `small` and `large` microbatches give all of them at `m` on a line. The peak memory is
 not affine in general: it follows the activations the rank holds in flight, which grow during the warm-up and
-then stay (1F1B, Interleaved1F1B) or grow with every microbatch (GPipe). The simulator gives that count per
+then stay (1F1B, Interleaved1F1B) or grow with every microbatch (GPipe). The action list gives that count per
 stage and per rank for any m; a pair qualifies when the rank's counts at `large` already equal those at `m`
 (the peak is `large`'s) or lie on one line through `small`, `large` and `m` (the peak is extrapolated too).
 A 405B first stage under Interleaved1F1B (pp 8, 2 stages per rank, 32 microbatches) is traced at 1 and 16.

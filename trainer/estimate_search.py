@@ -182,8 +182,9 @@ def _search_layout(
     AC, the largest local batch) is estimated first, and when it fits it is the layout's only one; then the most
     frugal (full AC, the smallest local batch), and when it overflows nothing of the layout fits;
     each mode's largest fitting local batch is found by bisection; and a mode is only tried on local batches
-    above the last mode's, since more recomputation on as many tokens can only be slower."""
-    locals_ = sorted(_divisors(batch // layout.dp))  # None: not even the most frugal candidate fits
+    above the last mode's, since more recomputation on as many tokens can only be slower. None: not even the
+    most frugal candidate fits (`_search_family` then stops)."""
+    locals_ = sorted(_divisors(batch // layout.dp))
     memo: dict[tuple[str, int], Estimate | None] = {}
 
     def run(ac: str, local: int) -> Estimate | None:

@@ -486,8 +486,9 @@ def _with_microbatches(cfg: JobConfig, m: int, dp: int) -> JobConfig:
 def trace_step_sampled(cfg: JobConfig, runtime: Runtime, *, fake: bool = True) -> StepTrace:
     """`trace_step` of the whole model from two short traces (SAMPLED_LAYERS blocks), extrapolated: a 126-block
     model costs what a 4-block one does. Falls back to the whole model when it has no more blocks than that.
-    Under PP each stage of this rank is traced with 1 and then 2 blocks, extrapolated to its real blocks: a
-    405B stage of 16 blocks costs what a 2-block one does."""
+    Under PP each stage of this rank is traced with 1 and then 2 blocks, extrapolated to its real blocks (a
+    405B stage of 16 blocks costs what a 2-block one does), each at two smaller microbatch counts
+    (`_sampled_microbatches`)."""
     if runtime.parallel_dims.pp_enabled:
         split, pp = _stage_split(cfg), runtime.parallel_dims.pp
         rank = runtime.world_mesh["pp"].get_local_rank()

@@ -15,6 +15,8 @@ from typing import Any
 import pytest
 
 from tests.world import run_world
+from trainer.config import load_config
+from trainer.estimate_search import Layout, parameter_count, state_bytes_lower_bound
 
 REPO = Path(__file__).resolve().parents[2]
 CONTRACT = {
@@ -142,6 +144,11 @@ def test_estimated_peak_and_collectives_match_a_real_gloo_run(layout: str) -> No
     reals = run_world(real_step, world_size, overrides)
     estimate = estimate_json("debug_model", world_size, *overrides)
     assert len(estimate["ranks"]) == (2 if "pp" in layout else 1)  # roles: the first and last stage under PP
+    # --search drops a layout whose state floor overflows before estimating it: the floor must stay under the
+    # measured peak of the busiest rank, or a fitting layout could be dropped unseen
+    cfg = load_config(["--job.config_file", str(REPO / "configs" / "debug_model.toml"), *overrides])
+    floor = state_bytes_lower_bound(cfg, parameter_count(cfg), Layout(**estimate["layout"]))
+    assert 0 < floor <= max(real["peak"] for real in reals), (floor, [real["peak"] for real in reals])
     for role in estimate["ranks"]:
         real = reals[role["ranks"][0]]
         peak = role["memory_bytes"]["peak"]
