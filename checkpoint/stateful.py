@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import logging
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -26,10 +27,11 @@ class Stateful(Protocol):
 
 
 class ModelState:
-    """The model's parameters and persistent buffers by FQN (DTensors stay DTensors)."""
+    """The model's parameters and persistent buffers by FQN (DTensors stay DTensors). `after_load` runs once
+    the tensors are filled (e.g. a pipeline rank copying a tied weight into its second stage)."""
 
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
+    def __init__(self, model: nn.Module, after_load: Callable[[], None] | None = None) -> None:
+        self.model, self.after_load = model, after_load
 
     def state_dict(self) -> dict[str, Any]:
         """A shared parameter (tied embeddings) once, under its first name, as named_parameters()."""
@@ -42,7 +44,9 @@ class ModelState:
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        pass  # filled in place: the detached tensors share the parameters' storage
+        # filled in place already: the detached tensors share the parameters' storage
+        if self.after_load is not None:
+            self.after_load()
 
 
 class OptimizerState:

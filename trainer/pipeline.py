@@ -47,7 +47,10 @@ _TIED_NAMES = {"output.weight": "tok_embeddings.weight"}
 class PipelineParts(nn.Module):
     """This rank's model parts seen as one model: parameters and state under their global FQNs (the parts
     are not registered as submodules, which would prefix their names). A tied output weight on the last
-    stage is named as the embedding it copies, so every checkpoint holds one tied weight, as one process's."""
+    stage is named as the embedding it copies, so every checkpoint holds one tied weight, as one process's.
+    Under the V placement both stages are on this rank: the output's copy is then not a parameter of this
+    model (the optimizer, the norm and the checkpoint see the embedding only) and `sync_tied_copy` keeps it
+    equal to the embedding after each step and each load."""
 
     parts: list[Transformer]
     whole: Transformer
@@ -60,16 +63,32 @@ class PipelineParts(nn.Module):
         self.model_args = whole.model_args
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator:
+        seen: set[str] = set()
         for part in self.parts:
             for name, p in part.named_parameters(prefix, recurse, remove_duplicate):
-                yield (_TIED_NAMES.get(name, name) if tied_across_stages(part) else name), p
+                name = _TIED_NAMES.get(name, name) if tied_across_stages(part) else name
+                if name not in seen:  # a second name: the V placement's local copy of the tied weight
+                    seen.add(name)
+                    yield name, p
 
     def state_dict(self, *, prefix: str = "", keep_vars: bool = False) -> dict:  # type: ignore[override]
         merged: dict = {}
         for part in self.parts:
             for name, value in part.state_dict(prefix=prefix, keep_vars=keep_vars).items():
-                merged[_TIED_NAMES.get(name, name) if tied_across_stages(part) else name] = value
+                merged.setdefault(_TIED_NAMES.get(name, name) if tied_across_stages(part) else name, value)
         return merged
+
+    def local_tied_pair(self) -> tuple[nn.Parameter, nn.Parameter] | None:
+        """(embedding, its copy in the output) when the first and the last stage are both on this rank."""
+        tied = [_tied_weight(part) for part in self.parts if tied_across_stages(part)]
+        return (tied[0], tied[1]) if len(tied) == 2 else None
+
+    @torch.no_grad()
+    def sync_tied_copy(self) -> None:
+        """Copy the embedding into the output's copy on this rank (after an optimizer step or a load)."""
+        pair = self.local_tied_pair()
+        if pair is not None:
+            _local(pair[1]).copy_(_local(pair[0]))
 
     def forward(self, *args: object) -> None:
         raise RuntimeError("a pipelined model runs through its schedule (trainer/pipeline.py), not forward()")
@@ -196,6 +215,7 @@ def pipeline_train_step(
     _sum_tied_gradients(pipeline)
     grad_norm = _clip_over_stages(pipeline, max_norm)
     optimizer.step()
+    pipeline.model.sync_tied_copy()
     return StepResult(total, grad_norm, skipped=False)
 
 
@@ -204,24 +224,36 @@ def _tied_weight(part: Transformer) -> nn.Parameter:
     return module.weight  # type: ignore[return-value]
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
 def _sum_tied_gradients(pipeline: Pipeline) -> None:
-    """A weight tied across the first and the last stage: both copies step with the sum of both gradients
-    (one all-reduce of this rank's shard between the two stages), so they stay equal and equal one process's."""
+    """A weight tied across the first and the last stage steps with the sum of both copies' gradients, so
+    the copies stay equal and equal one process's: on two ranks (looped placement) one all-reduce of this
+    rank's shard between them, each stepping its copy; on one rank (V placement) the output copy's gradient
+    is added to the embedding's, which alone steps (`PipelineParts.sync_tied_copy` follows)."""
+    pair = pipeline.model.local_tied_pair()
+    if pair is not None:
+        embedding, copy = pair
+        assert embedding.grad is not None and copy.grad is not None, "a tied weight without a gradient"
+        _local(embedding.grad).add_(_local(copy.grad))
+        copy.grad = None
+        return
     tied = [part for part in pipeline.model.parts if tied_across_stages(part)]
     if not tied:
         return
     assert pipeline.tie_group is not None and len(tied) == 1
-    weight = _tied_weight(tied[0])
-    grad = weight.grad
-    local = grad._local_tensor if isinstance(grad, DTensor) else grad
-    assert local is not None, "a tied weight without a gradient after the step's backward"
-    dist.all_reduce(local, group=pipeline.tie_group)
+    grad = _tied_weight(tied[0]).grad
+    assert grad is not None, "a tied weight without a gradient after the step's backward"
+    dist.all_reduce(_local(grad), group=pipeline.tie_group)
 
 
-def build_tie_group(world_mesh: DeviceMesh, tied: bool) -> dist.ProcessGroup | None:
+def build_tie_group(world_mesh: DeviceMesh, tied: bool, placement: str) -> dist.ProcessGroup | None:
     """The 2-rank group of the first and the last pipeline stage of this rank's pp line (collective: every rank
-    creates every line's group, in order). None when the model ties no weight (`tied`: the same on every rank)."""
-    if not tied:
+    creates every line's group, in order). None when the model ties no weight (`tied`: the same on every rank)
+    or when the placement puts both stages on one rank (V)."""
+    if not tied or placement == "v":
         return None
     pp = world_mesh.size("pp")
     names = list(world_mesh.mesh_dim_names or ())

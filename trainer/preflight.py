@@ -258,11 +258,6 @@ def _check_pipeline(cfg: JobConfig) -> None:
         )
     if cfg.model.flavor in llama3_configs:
         args = llama3_configs[cfg.model.flavor]
-        if args.tie_word_embeddings and spec.placement == "v":
-            raise NotImplementedError(
-                f"model.flavor={cfg.model.flavor!r} ties its embedding and output, which the V placement of "
-                f"{spec.name} puts on one rank as two stages; use 1F1B or Interleaved1F1B for it"
-            )
         per_rank = spec.stages_per_rank or (1 if spec.single_stage else 2)
         if not p.module_fqns_per_model_part:
             module_fqns_per_stage(

@@ -243,7 +243,7 @@ def assemble_pipeline(
     pp_mesh = runtime.world_mesh["pp"]
     stages = build_stages(cfg, whole, parts, stage_ids, pp_mesh, runtime.device)
     micro = cfg.training.local_batch_size // p.pipeline_parallel_microbatch_size
-    tie_group = build_tie_group(runtime.world_mesh, whole.model_args.tie_word_embeddings)
+    tie_group = build_tie_group(runtime.world_mesh, whole.model_args.tie_word_embeddings, schedule_spec(cfg).placement)
     model.__dict__["pipeline"] = Pipeline(
         model, stages, schedule_spec(cfg), micro, pp_mesh.get_group(), tie_group=tie_group
     )
@@ -326,7 +326,8 @@ def build_checkpointer(
     options = {k: v for k, v in dataclasses.asdict(ckpt).items() if k != "folder"}
     options["hf_assets_path"] = cfg.model.hf_assets_path  # initial_load_in_hf's folder when initial_load_path is ""
     states: dict[str, Stateful] = {
-        "model": ModelState(model), "optimizer": OptimizerState(model, optimizer), "lr_scheduler": scheduler,
+        "model": ModelState(model, model.sync_tied_copy if isinstance(model, PipelineParts) else None),
+        "optimizer": OptimizerState(model, optimizer), "lr_scheduler": scheduler,
         "dataloader": loader, "train_state": train_state, "rng": RngState(),
     }  # fmt: skip
     model_args = cast(TransformerModelArgs, model.model_args)

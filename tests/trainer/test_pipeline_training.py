@@ -107,19 +107,6 @@ def test_a_csv_schedule_trains_like_the_named_one(tmp_path: Path, one_process: l
             "fsdp_reshard_after_forward='always' with .*ZBVZeroBubble",
         ),  # fmt: skip
         (["--parallelism.pipeline_parallel_microbatch_size", "3"], "must be a multiple of"),
-        (
-            [
-                "--model.flavor",
-                "1B",
-                "--parallelism.pipeline_parallel_schedule",
-                "ZBVZeroBubble",
-                "--parallelism.data_parallel_shard_degree",
-                "1",
-                "--parallelism.tensor_parallel_degree",
-                "2",
-            ],
-            "ties its embedding and output, which the V placement",
-        ),
     ],
 )
 def test_what_pipelines_cannot_do_yet_is_refused_in_the_preflight(overrides: list[str], message: str) -> None:
@@ -161,7 +148,9 @@ def test_run_train_sh_trains_a_two_stage_pipeline(tmp_path: Path) -> None:
 def test_tied_embeddings_across_the_first_and_last_stage_train_like_one_process(tmp_path: Path) -> None:
     """The 1B flavor's tied embedding (torchtitan refuses this layout): both stages hold a copy, their
     gradients are summed before clipping and the step; the checkpoint holds the one tied weight and
-    resumes on one process."""
+    resumes on one process. Under ZBVZeroBubble's V placement the two stages are on one rank (the copy's
+    gradient is added locally, the copy refreshed after each step and each load): it trains like one
+    process too, and resumes the looped run's checkpoint."""
     from tests.trainer.test_resume import _train_tied_rank
 
     ckpt = ["--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.last_save_model_only", "false"]
@@ -176,6 +165,12 @@ def test_tied_embeddings_across_the_first_and_last_stage_train_like_one_process(
     shutil.copytree(tmp_path / "pp" / "checkpoint" / "step-2", tmp_path / "resumed" / "checkpoint" / "step-2")
     resumed = _losses(run_world(_train_tied_rank, 1, [*job, "--job.dump_folder", str(tmp_path / "resumed")])[0])
     assert resumed == pytest.approx(pp[2:], abs=2e-4), (pp, resumed)
+    zbv = [*job, *PP2, "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]
+    v = _losses(run_world(_train_tied_rank, 2, [*zbv, "--job.dump_folder", str(tmp_path / "v")])[0])
+    assert v == pytest.approx(one, abs=2e-4), (one, v)
+    shutil.copytree(tmp_path / "pp" / "checkpoint" / "step-2", tmp_path / "v_resumed" / "checkpoint" / "step-2")
+    v_resumed = _losses(run_world(_train_tied_rank, 2, [*zbv, "--job.dump_folder", str(tmp_path / "v_resumed")])[0])
+    assert v_resumed == pytest.approx(pp[2:], abs=2e-4), (pp, v_resumed)
 
 
 def test_fewer_microbatches_than_stages_is_warned_with_the_bubble() -> None:
