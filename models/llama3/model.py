@@ -1,4 +1,4 @@
-"""Llama 3 on one device: RMSNorm, RoPE, grouped-query attention, SwiGLU (imports only torch).
+"""Llama 3 on one device: RMSNorm, RoPE, grouped-query attention, SwiGLU (imports only torch and split_causal.py).
 
 Parallelism is applied from outside (parallelize.py). To let tensor-parallel sharding of the
 projections work unchanged, attention never uses the configured head counts to reshape: it infers
@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .args import RoPEScalingArgs, TransformerModelArgs
+from .split_causal import split_causal_attention, splits_causal_square
 
 
 def precompute_freqs_cis(
@@ -67,7 +68,10 @@ def leading_positions(seqlen: int) -> slice:
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal SDPA of (B, H, T, Dh) queries over (B, Hkv, T, Dh) keys and values."""
+    """Causal SDPA of (B, H, T, Dh) queries over (B, Hkv, T, Dh) keys and values (on the CPU at 257..512
+    tokens through the halves of the causal square, which torch's CPU kernel computes whole: split_causal.py)."""
+    if splits_causal_square(q, k):
+        return split_causal_attention(q, k, v)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 
