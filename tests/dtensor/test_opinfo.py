@@ -1,5 +1,6 @@
 """torch's OpInfo database through our DTensor on a (2,) mesh: how many ops give the single-device
-result with every tensor input sharded on dim 0 (replicated where it has no dim 0).
+result with every tensor input sharded on dim 0 (replicated where it has no dim 0), or refuse a strict view
+exactly as torch's DTensor does.
 
 The set of passing ops is recorded in opinfo_baseline.json; it may only grow. After adding rules,
 refresh it with `MESHTRAIN_UPDATE_OPINFO=1 python -m pytest tests/dtensor/test_opinfo.py`.
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_map
 
+from tests.dtensor.harness import torch_refuses_alike
 from tests.world import run_world
 
 BASELINE = Path(__file__).with_name("opinfo_baseline.json")
@@ -44,13 +46,15 @@ def _check_sample(opinfo, sample, mesh) -> bool:
         placement = Shard(0) if t.ndim and t.shape[0] >= 2 else Replicate()
         return distribute_tensor(t.detach().clone(), mesh, [placement])
 
-    ok = True
+    ok, refused = True, False
+    d_args, d_kwargs = tree_map(shard, args), tree_map(shard, kwargs)
     try:
-        got = opinfo.op(*tree_map(shard, args), **tree_map(shard, kwargs))
-    except Exception:
+        got = opinfo.op(*d_args, **d_kwargs)
+    except Exception as e:
         ok = False
+        refused = torch_refuses_alike(opinfo.op, d_args, d_kwargs, e)  # a strict view, refused as torch's
     if not _agree(ok):
-        return False
+        return _agree(refused)
     got_leaves, _ = tree_flatten(got)
     want_leaves, _ = tree_flatten(expected)
     fulls = [g.full_tensor() if isinstance(g, DTensor) else g for g in got_leaves]

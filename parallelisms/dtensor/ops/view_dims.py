@@ -255,6 +255,42 @@ def propagate(dim_map: DimMap, placements: Placements, mesh_shape: Sequence[int]
     return tuple(required), tuple(output)
 
 
+def strict_view_error(dim_map: DimMap, placements: Placements, mesh_shape: Sequence[int]) -> str | None:
+    """torch's refusal of a `view` (not a `reshape`) that would have to gather a plain Shard first, or None.
+
+    As torch's view rule (`strict_view`): a Shard on a flattened dim other than the group's last whose size
+    the mesh dim does not divide ("Cannot flatten"), or a Shard of a split dim whose first piece it does not
+    divide ("Cannot unflatten"). Both need a redistribution that a view, which never copies, cannot make.
+    """
+
+    def plain_shard(d: int) -> int | None:
+        return next((m for m, p in enumerate(placements) if isinstance(p, Shard) and p.dim == d), None)
+
+    for spec in dim_map:
+        if not isinstance(spec, Group) or spec.index != 0:
+            continue
+        sharded = []
+        for pos, (d, size) in enumerate(zip(spec.dims, spec.in_sizes)):
+            m = plain_shard(d)
+            if m is None:
+                continue
+            if pos < len(spec.dims) - 1 and size % mesh_shape[m]:
+                return (
+                    f"Cannot flatten unevenly sharded tensor: dimension {d} (size {size}) is not evenly divisible "
+                    f"by mesh dimension {m} (size {mesh_shape[m]}). Please redistribute the tensor before this "
+                    f"operation."
+                )
+            sharded.append(d)
+        m = plain_shard(sharded[0] if sharded else spec.dims[0])
+        if len(spec.out_sizes) > 1 and m is not None and spec.out_sizes[0] % mesh_shape[m]:
+            return (
+                f"Cannot unflatten unevenly sharded tensor: output dimension 0 (size {spec.out_sizes[0]}) is not "
+                f"evenly divisible by mesh dimension {m} (size {mesh_shape[m]}). Please redistribute the tensor "
+                f"before this operation."
+            )
+    return None
+
+
 def flatten_members(dim_map: DimMap) -> dict[int, tuple[int, Group]]:
     """input dim -> (output dim, group) for every input dim of a group with one output (a flatten)."""
     return {

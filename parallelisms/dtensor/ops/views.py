@@ -34,6 +34,7 @@ from .view_dims import (
     dim_unsqueeze,
     propagate,
     squeezed_dims,
+    strict_view_error,
     view_groups,
 )
 
@@ -77,11 +78,19 @@ def _meta_output(call: OpCall):
 # --------------------------------------------------------------------------------------------------
 
 
-@register(aten.view.default, aten._unsafe_view.default, aten.reshape.default, strided=True)
+@register(aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.view_copy.default, strided=True)
 def view_rule(call: OpCall) -> Sharding:
-    """view/reshape: S(d) follows d through `view_groups`; sizes become the local shape."""
+    """view/reshape/view_copy: S(d) follows d through `view_groups`; sizes become the local shape. A view (not a
+    reshape or a view_copy) that would gather an unevenly sharded dim raises as torch's (`strict_view_error`)."""
     spec = call.specs[0]
-    return _view_sharding(call, view_groups(spec.shape, call.args[1]), sized=True)
+    dim_map = view_groups(spec.shape, call.args[1])
+    strict = call.op in _STRICT_VIEWS and spec.shape.numel() > 0  # an empty tensor has nothing to redistribute
+    if strict and (error := strict_view_error(dim_map, spec.placements, spec.mesh.shape)):
+        raise RuntimeError(error)
+    return _view_sharding(call, dim_map, sized=True)
+
+
+_STRICT_VIEWS = (aten.view.default, aten._unsafe_view.default)
 
 
 # Composites (flatten, view_as, movedim, expand_as, chunk, narrow, ...) reach the dispatcher only

@@ -320,18 +320,37 @@ def test_views_alias_local_tensor_without_redistribution(mesh_shape, world_size)
     assert run_world(_alias_cases, world_size, mesh_shape) == [[]] * world_size
 
 
-def _uneven_flatten_gathers() -> list:
+def _uneven_views_raise() -> list:
     mesh = get_mesh((2,))
     x = distribute_tensor(_rand(5, 6), mesh, [Shard(0)])
-    y = x.view(30)
+    errors = []
+    for view in (lambda: x.view(30), lambda: x.view(2, 3, 5), lambda: x.view(5, 2, 3).view(5, 6)):
+        try:
+            view()
+            errors.append("no error")
+        except RuntimeError as e:
+            errors.append(str(e))
+    y = x.redistribute(placements=[Replicate()]).view(30)  # the fix the message names
     torch.testing.assert_close(y.full_tensor(), _rand(5, 6).view(30))
     z = distribute_tensor(_rand(8, 6), mesh, [Shard(0)]).view(48)
-    return [y.placements, z.placements, tuple(y._local_tensor.shape)]
+    split = distribute_tensor(_rand(4, 6), mesh, [Shard(1)])
+    try:
+        split.view(4, 3, 2)
+        errors.append("no error")
+    except RuntimeError as e:
+        errors.append(str(e))
+    return [errors, z.placements]
 
 
-def test_view_uneven_flatten_gathers_instead_of_silently_resharding():
-    (placements, even, local_shape), _ = run_world(_uneven_flatten_gathers, 2)
-    assert placements == (Replicate(),) and local_shape == (30,)
+def test_a_view_that_must_gather_an_uneven_shard_raises_as_torch():
+    """torch's strict view: flattening an unevenly sharded dim (not the group's last) or splitting a sharded
+    dim whose first piece the mesh does not divide needs a redistribution, which a view cannot make."""
+    (errors, even), _ = run_world(_uneven_views_raise, 2)
+    flatten = "Cannot flatten unevenly sharded tensor: dimension 0 (size 5) is not evenly divisible by mesh "
+    assert errors[0].startswith(flatten) and errors[1].startswith(flatten), errors
+    assert errors[2] == "no error", errors  # (5, 2, 3) -> (5, 6) flattens dims 1, 2: dim 0 stays whole
+    assert errors[3].startswith("Cannot unflatten unevenly sharded tensor: output dimension 0 (size 3)"), errors
+    assert errors[0].endswith("Please redistribute the tensor before this operation."), errors
     assert even == (Shard(0),)
 
 
@@ -397,21 +416,34 @@ def _differential(mesh_shape: tuple[int, ...]) -> dict[str, list[str]]:
     from parallelisms.dtensor.debug import CommDebugMode
 
     mesh, tmesh = get_mesh(mesh_shape), get_torch_mesh(mesh_shape)
-    report: dict[str, list[str]] = {"worse": [], "strided": [], "better": [], "torch_refuses": [], "rechunked": []}
+    report: dict[str, list[str]] = {
+        "worse": [], "strided": [], "better": [], "torch_refuses": [], "both_refuse": [], "rechunked": []
+    }  # fmt: skip
     for name, fn, shape in DIFF_CASES:
         full = _rand(*shape)
         for placements in itertools.product([Replicate(), *map(Shard, range(len(shape)))], repeat=len(mesh_shape)):
             ours_in = distribute_tensor(full, mesh, list(placements))
             theirs_in = tdt.distribute_tensor(full, tmesh, to_torch_placements(placements))
-            with CommDebugMode() as ours_comm:
-                ours = fn(ours_in)
             what = f"{name} {tuple(map(str, placements))}"
+            ours_error = theirs_error = None
+            try:
+                with CommDebugMode() as ours_comm:
+                    ours = fn(ours_in)
+            except RuntimeError as e:
+                ours_error = str(e)
             try:
                 with TorchCommDebugMode() as torch_comm:  # ours trips torch's fake-tensor propagation
                     theirs = fn(theirs_in)
-            except RuntimeError:  # torch refuses uneven flattens ("redistribute before"); we gather
-                report["torch_refuses"].append(what)
-                torch.testing.assert_close(ours.full_tensor(), fn(full))
+            except RuntimeError as e:  # torch refuses uneven flattens ("redistribute before")
+                theirs_error = str(e).split("\n\n")[0]
+            if ours_error is not None or theirs_error is not None:
+                if ours_error == theirs_error:
+                    report["both_refuse"].append(what)
+                elif ours_error is None:
+                    report["torch_refuses"].append(what)  # we gather and run
+                    torch.testing.assert_close(ours.full_tensor(), fn(full))
+                else:
+                    report["worse"].append(f"{what}: ours raises {ours_error!r}, torch {theirs_error!r}")
                 continue
             strided = False
             for m, (p, q) in enumerate(zip(ours.placements, theirs.placements)):
@@ -442,11 +474,11 @@ def test_views_as_sharded_as_torch_dtensor_with_no_more_collectives(mesh_shape, 
     # - torch keeps a _StridedShard where a flatten merges an inner sharded dim ((4, 6) S(1) -> (24,),
     #   (B, T, H, D) S(3) -> (B, T, H*D)); we have no strided shards by design and gather instead.
     assert {c.split()[0] for c in report["strided"]} <= {"flatten", "flatten_uneven", "merge_heads"}, report["strided"]
-    # - torch raises "redistribute first" on uneven flattens/unflattens and on squeezing a sharded
-    #   size-1 dim; we gather and run.
-    assert {c.split()[0] for c in report["torch_refuses"]} <= {"flatten_uneven", "unflatten", "squeeze"}, report[
-        "torch_refuses"
-    ]
+    # - torch raises "redistribute first" on uneven flattens/unflattens (so do we, word for word: a view cannot
+    #   gather) and on squeezing a sharded size-1 dim, which we gather and run; on a (2, 2) mesh its unflatten of
+    #   a dim both mesh dims shard computes an impossible local shape ("shape '[4, 1, 3]' is invalid"): ours runs.
+    assert {c.split()[0] for c in report["torch_refuses"]} <= {"squeeze", "unflatten"}, report["torch_refuses"]
+    assert mesh_shape == (2, 2) or {c.split()[0] for c in report["both_refuse"]} >= {"flatten_uneven"}, report
     # - after the same all_gather, torch's cost model may also chunk a replicated mesh dim onto
     #   another tensor dim for free (view_as_complex with the pair dim sharded); we leave it replicated.
     assert {c.split()[0] for c in report["rechunked"]} <= {"view_as_complex"}, report["rechunked"]
