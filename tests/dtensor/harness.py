@@ -188,21 +188,6 @@ def torch_refuses_alike(fn: Callable, args: Sequence, kwargs: dict, error: Excep
     except RuntimeError as e:
         return str(e).split("\n\n")[0] == str(error)  # torch appends the op it was propagating
     return False
-    from torch.distributed.device_mesh import init_device_mesh as torch_mesh
-    from torch.distributed.tensor import DTensor as TorchDTensor
-
-    ours = d_inputs[0].device_mesh
-    mesh = torch_mesh("cpu", tuple(ours.shape))
-    theirs = [
-        TorchDTensor.from_local(t._local_tensor.detach().clone(), mesh, to_torch_placements(t.placements),
-                                shape=t.shape, stride=t.stride())  # fmt: skip
-        for t in d_inputs
-    ]
-    try:
-        fn(*theirs)
-    except RuntimeError as e:
-        return str(e).split("\n\n")[0] == str(error)  # torch appends the op it was propagating
-    return False
 
 
 def assert_layout_agrees(t: torch.Tensor, what: str) -> None:
