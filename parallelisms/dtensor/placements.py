@@ -108,7 +108,7 @@ class _StridedShard(Placement):
     split_factor: int
 
     def is_shard(self, dim: int | None = None) -> bool:
-        return dim is None or dim == self.dim
+        return False  # as torch's: not a plain Shard (`shards` asks whether a placement splits a dim at all)
 
     def __str__(self) -> str:
         return f"_S({self.dim}, {self.split_factor})"
@@ -312,6 +312,11 @@ def application_order(placements: Sequence[Placement], mesh_shape: Sequence[int]
     (`splits_later_pieces`) last."""
     last = [m for m in range(len(placements)) if splits_later_pieces(placements, mesh_shape, m)]
     return [m for m in range(len(placements)) if m not in last] + last
+
+
+def shards(p: Placement, dim: int | None = None) -> bool:
+    """Whether `p` splits tensor dim `dim` (any dim when None), plainly or strided."""
+    return isinstance(p, (Shard, _StridedShard)) and (dim is None or p.dim == dim)
 
 
 def is_strided(placements: Sequence[Placement]) -> bool:

@@ -47,6 +47,7 @@ from .placements import (
     local_shape_and_offset,
     logical_shape_before,
     partition_divisor,
+    shards,
     strided_pieces,
 )
 from .spec import DTensorSpec, dense_stride_like, is_contiguous_stride, is_dense, stride_order
@@ -143,8 +144,8 @@ def _walk(
     for mesh_dim in reversed(range(len(current)) if unnest_first else ()):
         target = dst_placements[mesh_dim]
         if isinstance(target, Shard):
-            now = [i for i in range(mesh_dim) if current[i].is_shard(target.dim)]
-            want = [i for i in range(mesh_dim) if dst_placements[i].is_shard(target.dim)]
+            now = [i for i in range(mesh_dim) if shards(current[i], target.dim)]
+            want = [i for i in range(mesh_dim) if shards(dst_placements[i], target.dim)]
             if now != want:  # outer sharding of this tensor dim changes: un-shard here first
                 target = Replicate()
         if current[mesh_dim] != target:

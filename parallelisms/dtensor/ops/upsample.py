@@ -23,7 +23,7 @@ import functools
 import torch
 from torch._ops import OpOverload
 
-from ..placements import Shard
+from ..placements import Shard, shards
 from .registry import LOCAL_SHAPE, LocalImpl, OpCall, Sharding, register
 from .tensor_ops import R, Row, expand, partials
 
@@ -62,7 +62,7 @@ def _sharded(candidate: Sharding, local_args: tuple | None, run: LocalImpl) -> S
     """A candidate with a sharded output runs with this rank's input_size (backward) and skips the
     kernel on an empty shard."""
     (output,) = candidate.outputs
-    if output is None or not any(p.is_shard() for p in output):
+    if output is None or not any(shards(p) for p in output):
         return candidate
     return Sharding(candidate.inputs, candidate.outputs, local_args=local_args, local_impl=run)
 
