@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from models.llama3.model import causal_attention
-from models.llama3.split_causal import split_causal_attention, splits_causal_square
+from models.llama3.split_causal import _SplitCausal, split_causal_attention, split_levels, splits_causal_square
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -30,12 +30,20 @@ def _inputs(seq: int, n_kv: int, batch: int = 2, heads: int = 8, head_dim: int =
     return [torch.randn(batch, seq, h, head_dim, generator=gen, dtype=torch.float64) for h in (heads, n_kv, n_kv)]
 
 
-@pytest.mark.parametrize("seq, n_kv", [(512, 8), (512, 2), (258, 4), (384, 8)])
-def test_fp32_equals_sdpa(seq: int, n_kv: int) -> None:
+@pytest.mark.parametrize("seq, n_kv, levels", [(512, 8, 1), (512, 2, 2), (512, 8, 3), (258, 4, 1), (384, 8, 2)])
+def test_fp32_equals_sdpa(seq: int, n_kv: int, levels: int) -> None:
     base = _inputs(seq, n_kv)
     assert splits_causal_square(*(t.float().transpose(1, 2) for t in base[:2]))
-    for got, want in zip(_run(split_causal_attention, base, torch.float32), _run(_sdpa, base, torch.float32)):
+
+    def split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return _SplitCausal.apply(q, k, v, levels)
+
+    for got, want in zip(_run(split, base, torch.float32), _run(_sdpa, base, torch.float32)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_levels_follow_the_threads_and_divide_the_length() -> None:
+    assert [split_levels(512, 2), split_levels(512, 1), split_levels(258, 1)] == [1, 2, 1]
 
 
 def test_bf16_is_as_close_to_fp64_as_sdpa() -> None:
