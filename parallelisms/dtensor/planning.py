@@ -407,10 +407,10 @@ def _check_mutation(op: OpOverload, call: OpCall, choice: Sharding) -> None:
         target = choice.inputs[w.spec_index]
         if target is not None and target != w.spec.placements:
             name = w.name
-            raise RuntimeError(
-                f"{op} writes into {name} with placements {tuple(map(str, w.spec.placements))}, but "
-                f"running it needs {tuple(map(str, target))}: in-place operations that require placement "
-                f"changes are not supported; redistribute {name} out of place first (x = x.redistribute(...))"
+            raise RuntimeError(  # torch's first sentence, word for word
+                f"{op}: in-place operations that require placement changes are not supported. It writes into "
+                f"{name} with placements {tuple(map(str, w.spec.placements))}, but running it needs "
+                f"{tuple(map(str, target))}; redistribute {name} out of place first (x = x.redistribute(...))"
             )
 
 

@@ -52,6 +52,10 @@ def refusals_program(name: str, dt, tp) -> dict[str, Any]:
         "stride without shape": raised(
             lambda: dt.DTensor.from_local(torch.ones(2, 4), mesh, [dt.Shard(0)], stride=(4, 1))
         ),
+        # clamp_ cannot run on a Partial and must not leave it (torch's test_inplace_op_partial_to_replicate)
+        "in-place into a Partial": raised(
+            lambda: dt.DTensor.from_local(torch.tensor(64.0), mesh, [dt.Partial()]).clamp_(max=10)
+        ),
     }
 
 
@@ -79,6 +83,8 @@ def test_refusals_and_weights_only_load_follow_torch() -> None:
         assert "must have the same length" in ours["2 placements"][2]
         assert "only accepts torch.Tensor" in ours["from_local of a DTensor"][2]
         assert "Please pass both shape and stride" in ours["shape without stride"][2]
+        inplace = "in-place operations that require placement changes are not supported"
+        assert inplace in ours["in-place into a Partial"][2] and inplace in theirs["in-place into a Partial"][2]
     for result in run_world(both, 2, save_load_program):
         for ours, theirs in zip(result["ours"], result["torch"]):
             assert ours[:3] == theirs[:3] and ours[0] and ours[1]

@@ -413,10 +413,11 @@ def _no_candidate_message(call: OpCall, base: str, target: DTensorSpec) -> str:
             " every rank would write the value, so a Partial(sum) tensor would read n times it;"
             " zero_() is fine, other values need a reduced tensor."
         )
-    return (
-        f"{call.op} writes into a DTensor with placements {placements_str(target.placements)} and no way of "
-        f"running it keeps them (inputs {[placements_str(s.placements) for s in call.specs]});{why} "
-        f"redistribute out of place first, e.g. x = x.redistribute(placements=[Replicate()] * mesh.ndim)"
+    return (  # torch's first sentence, word for word
+        f"{call.op}: in-place operations that require placement changes are not supported. It writes into a "
+        f"DTensor with placements {placements_str(target.placements)} and no way of running it keeps them "
+        f"(inputs {[placements_str(s.placements) for s in call.specs]});{why} redistribute out of place first, "
+        f"e.g. x = x.redistribute(placements=[Replicate()] * mesh.ndim)"
     )
 
 
