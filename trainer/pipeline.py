@@ -31,6 +31,7 @@ from parallelisms.pipeline_parallel import ScheduleSpec, lower_schedule, stage_t
 from parallelisms.pipeline_parallel.runtime import PipelineSchedule
 from parallelisms.pipeline_parallel.stage import BoundaryMeta, PipelineStage
 from parallelisms.tensor_parallel import loss_parallel
+from parallelisms.tensor_parallel.partial_grads import reduce_partial_grads
 
 from .job_config import JobConfig
 from .loss import IGNORE_INDEX
@@ -270,6 +271,7 @@ def _clip_over_stages(pipeline: Pipeline, max_norm: float) -> torch.Tensor:
     """The gradient 2-norm over every stage's parameters (norms squared add up over the pp group), clipped.
     The last stage's copy of a tied weight is left out of the norm: one process counts that gradient once."""
     twins = {id(_tied_weight(p)) for p in pipeline.model.parts if tied_across_stages(p) and p.output is not None}
+    reduce_partial_grads([p for p in pipeline.model.parameters() if p.grad is not None])
     grads = [p.grad for p in pipeline.model.parameters() if p.grad is not None and id(p) not in twins]
     local = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else torch.zeros(())
     if isinstance(local, DTensor):

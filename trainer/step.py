@@ -19,6 +19,7 @@ from parallelisms.dtensor import DeviceMesh, DTensor, Partial
 from parallelisms.fsdp import FSDPModule
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.tensor_parallel import loss_parallel
+from parallelisms.tensor_parallel.partial_grads import reduce_partial_grads
 
 from .loss import IGNORE_INDEX, CrossEntropy, summed_cross_entropy, token_loss_sum
 
@@ -103,6 +104,7 @@ def train_step(
         total = loss.detach() if total is None else total + loss.detach()
     assert total is not None, "a step needs at least one micro-batch"
     params = [p for p in model.parameters() if p.grad is not None]
+    reduce_partial_grads(params)  # once, coalesced: left Partial, clipping and AdamW would each all-reduce them
     clip = max_norm if max_norm > 0 else float("inf")
     norm = torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
     grad_norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
