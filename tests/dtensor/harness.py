@@ -170,12 +170,11 @@ def torch_refuses_alike(fn: Callable, args: Sequence, kwargs: dict, error: Excep
     parity, not a failure."""
     if not isinstance(error, RuntimeError) or not str(error).startswith(STRICT_VIEW_ERRORS):
         return False
-    from torch.distributed.device_mesh import init_device_mesh as torch_mesh
     from torch.distributed.tensor import DTensor as TorchDTensor
     from torch.utils._pytree import tree_flatten, tree_map
 
     ours = next(t for t in tree_flatten((args, kwargs))[0] if isinstance(t, DTensor)).device_mesh
-    mesh = torch_mesh("cpu", tuple(ours.shape))
+    mesh = get_torch_mesh(tuple(ours.shape))
 
     def theirs(t: object) -> object:
         if not isinstance(t, DTensor):
