@@ -3,6 +3,7 @@
 from . import (  # noqa: F401  (importing registers the rules)
     attention,
     embedding,
+    fft,
     foreach,
     indexing,
     linalg,

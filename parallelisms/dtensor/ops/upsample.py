@@ -55,10 +55,10 @@ def upsample_rule(call: OpCall) -> list[Sharding]:
     rows += [Row({name: p}, (p,)) for p in partials(call, None if copies else LINEAR)]
     local_args = None if size_at is None else tuple(LOCAL_SHAPE if i == size_at else a for i, a in enumerate(call.args))
     run = functools.partial(skip_empty, call.op)
-    return [_sharded(c, local_args, run) for c in expand(call, rows)]
+    return [skip_empty_shards(c, local_args, run) for c in expand(call, rows)]
 
 
-def _sharded(candidate: Sharding, local_args: tuple | None, run: LocalImpl) -> Sharding:
+def skip_empty_shards(candidate: Sharding, local_args: tuple | None, run: LocalImpl) -> Sharding:
     """A candidate with a sharded output runs with this rank's input_size (backward) and skips the
     kernel on an empty shard."""
     (output,) = candidate.outputs
@@ -73,5 +73,5 @@ def skip_empty(
     """`op` on this rank's planes, or this rank's (empty) output when it holds none."""
     first = local_args[0]
     if first.numel() == 0:
-        return first.new_empty(output_specs[0].local_shape_and_offset()[0])
+        return first.new_empty(output_specs[0].local_shape_and_offset()[0], dtype=output_specs[0].dtype)
     return op(*local_args, **local_kwargs)
