@@ -86,11 +86,30 @@ class _ModuleTracker(ModuleTracker):
     Its global forward hook runs before a module's own hooks, so a collective issued by a TP
     style's output hook (RowwiseParallel's reduction) would count for the parent. A per-module
     hook, registered on first entry and so after the styles' hooks, leaves it instead.
+
+    As torch's CommDebugMode tracker, each forward (not a recomputation in backward) also records, by module
+    name: its type and depth (`module_helper_dict`, with "Global" at depth 0), its own parameters
+    (`module_parameters_dict`: name -> tensor) and a DTensor parameter's placements (`sharding_dict`, keyed
+    "<module>.<parameter>").
     """
 
     def __init__(self) -> None:
         super().__init__()
         self._post_hooks: dict[int, RemovableHandle] = {}
+        self.module_helper_dict: dict[str, dict[str, Any]] = {}
+        self.module_parameters_dict: dict[str, dict[str, torch.Tensor]] = {}
+        self.sharding_dict: dict[str, tuple] = {}
+
+    def _record(self, name: str, mod: nn.Module) -> None:
+        helper = self.module_helper_dict.setdefault(name, {})
+        helper["module_type"] = str(type(mod)).replace("<", "").replace(">", "")
+        helper["depth"] = len(self.parents) - 1
+        for param_name, param in mod.named_parameters(recurse=False):
+            self.module_parameters_dict.setdefault(name, {})[param_name] = param.data
+            placements = getattr(param.data, "placements", None)
+            if placements is not None:  # a DTensor (ours or torch's)
+                self.sharding_dict[f"{name}.{param_name}"] = placements
+                helper.setdefault("parameters", {})[param_name] = str(placements)
 
     def _fw_pre_hook(self, mod: nn.Module, input: Any) -> None:
         """torch's, except that a module whose inputs include a leaf leaves on the first input gradient
@@ -98,6 +117,8 @@ class _ModuleTracker(ModuleTracker):
         under `autograd.grad` (a pipeline stage's input in a split backward)."""
         name = self._get_mod_name(mod)
         self._get_append_fn(name, False)()
+        if not self.is_bw:  # a recomputation under activation checkpointing records nothing
+            self._record(name, mod)
         tensors = [a for a in tree_flatten(input)[0] if isinstance(a, torch.Tensor) and a.requires_grad]
         if tensors:
             pop = self._get_pop_fn(name, True)
@@ -107,6 +128,9 @@ class _ModuleTracker(ModuleTracker):
             self._post_hooks[id(mod)] = mod.register_forward_hook(self._fw_post_hook)
 
     def __enter__(self) -> _ModuleTracker:
+        for record in (self.module_helper_dict, self.module_parameters_dict, self.sharding_dict):
+            record.clear()
+        self.module_helper_dict["Global"] = {"depth": 0}
         self._fw_pre_handle = register_module_forward_pre_hook(self._fw_pre_hook)
         return self
 
@@ -148,6 +172,23 @@ class CommDebugMode(TorchDispatchMode):
 
     def get_total_counts(self) -> int:
         return sum(self.comm_counts.values())
+
+    @property
+    def advanced_module_tracker(self) -> _ModuleTracker:
+        """The module tracker (torch's name): `module_helper_dict`, `module_parameters_dict`, `sharding_dict`."""
+        return self._modules
+
+    def get_parameter_info(self) -> dict[str, dict[str, torch.Tensor]]:
+        """{module name: {parameter name: tensor}} of every module run forward inside the mode, as torch's."""
+        return self._modules.module_parameters_dict
+
+    def get_sharding_info(self) -> dict[str, tuple]:
+        """{"<module>.<parameter>": placements} of those modules' DTensor parameters, as torch's."""
+        return self._modules.sharding_dict
+
+    def print_sharding_info(self) -> None:
+        for key, value in self.get_sharding_info().items():
+            print(f"{key}: {value}")
 
     def get_comm_counts(self) -> defaultdict[Any, int]:
         """Collectives by key; a collective never issued reads 0 (a defaultdict, as torch's)."""

@@ -229,3 +229,58 @@ def mode_resets() -> list[int]:
 def test_comm_debug_mode_resets_on_each_entry():
     for counts in run_world(mode_resets, 2):
         assert counts == [1, 0, 0], counts
+
+
+# --------------------------------------------------------------------------------------------------
+# module tracing: parameters, placements and modules seen (torch's test_comm_mode_features)
+# --------------------------------------------------------------------------------------------------
+
+
+class _MLP(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net1 = torch.nn.Linear(10, 16)
+        self.relu = torch.nn.ReLU()
+        self.net2 = torch.nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net2(self.relu(self.net1(x)))
+
+
+def module_tracing(impl: str) -> dict:
+    """An MLP under Colwise / Rowwise TP, forward and backward inside the mode, then an empty re-entry."""
+    if impl == "ours":
+        from parallelisms.tensor_parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        mode, mesh = CommDebugMode(), get_mesh((2,))
+    else:
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        mode, mesh = TorchCommDebugMode(), get_torch_mesh((2,))
+    model = parallelize_module(_MLP(), mesh, {"net1": ColwiseParallel(), "net2": RowwiseParallel()})
+    with mode:
+        model(torch.rand(8, 10, generator=torch.Generator().manual_seed(1))).sum().backward()
+    tracker = mode.advanced_module_tracker
+    out = {
+        "parameters": {m: list(p) for m, p in mode.get_parameter_info().items()},
+        "sharding": {k: [str(p) for p in v] for k, v in mode.get_sharding_info().items()},
+        "helper": {m: {k: v for k, v in h.items() if k != "module_type"} for m, h in tracker.module_helper_dict.items()},
+        "net2_forward": keyed(mode.comm_module_counts["_MLP.net2"]["forward"]),
+    }
+    with mode:
+        out["reset"] = (mode.get_parameter_info(), mode.get_sharding_info(), list(tracker.module_helper_dict))
+    return out
+
+
+def test_module_tracing_records_parameters_and_placements_as_torch():
+    for ours, theirs in zip(run_world(module_tracing, 2, "ours"), run_world(module_tracing, 2, "torch")):
+        assert ours["parameters"] == theirs["parameters"] == {"_MLP.net1": ["weight", "bias"],
+                                                             "_MLP.net2": ["weight", "bias"]}  # fmt: skip
+        assert list(ours["sharding"]) == list(theirs["sharding"]) and len(ours["sharding"]) == 4
+        assert ours["sharding"]["_MLP.net1.weight"] == ["S(0)"] and theirs["sharding"]["_MLP.net1.weight"] == [
+            "S(0)"
+        ]
+        assert ours["helper"] == theirs["helper"], (ours["helper"], theirs["helper"])
+        assert ours["net2_forward"] == theirs["net2_forward"] == {F + "all_reduce": 1}, (ours, theirs)
+        assert ours["reset"] == theirs["reset"] == ({}, {}, ["Global"])
