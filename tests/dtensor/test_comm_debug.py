@@ -265,7 +265,9 @@ def module_tracing(impl: str) -> dict:
     out = {
         "parameters": {m: list(p) for m, p in mode.get_parameter_info().items()},
         "sharding": {k: [str(p) for p in v] for k, v in mode.get_sharding_info().items()},
-        "helper": {m: {k: v for k, v in h.items() if k != "module_type"} for m, h in tracker.module_helper_dict.items()},
+        "helper": {
+            m: {k: v for k, v in h.items() if k != "module_type"} for m, h in tracker.module_helper_dict.items()
+        },
         "net2_forward": keyed(mode.comm_module_counts["_MLP.net2"]["forward"]),
     }
     with mode:
@@ -278,9 +280,7 @@ def test_module_tracing_records_parameters_and_placements_as_torch():
         assert ours["parameters"] == theirs["parameters"] == {"_MLP.net1": ["weight", "bias"],
                                                              "_MLP.net2": ["weight", "bias"]}  # fmt: skip
         assert list(ours["sharding"]) == list(theirs["sharding"]) and len(ours["sharding"]) == 4
-        assert ours["sharding"]["_MLP.net1.weight"] == ["S(0)"] and theirs["sharding"]["_MLP.net1.weight"] == [
-            "S(0)"
-        ]
+        assert ours["sharding"]["_MLP.net1.weight"] == ["S(0)"] and theirs["sharding"]["_MLP.net1.weight"] == ["S(0)"]
         assert ours["helper"] == theirs["helper"], (ours["helper"], theirs["helper"])
         assert ours["net2_forward"] == theirs["net2_forward"] == {F + "all_reduce": 1}, (ours, theirs)
         assert ours["reset"] == theirs["reset"] == ({}, {}, ["Global"])
