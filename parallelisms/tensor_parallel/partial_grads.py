@@ -16,7 +16,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from parallelisms.dtensor import DTensor, Partial, Replicate, collectives
+from parallelisms.dtensor import DeviceMesh, DTensor, Partial, Replicate, collectives
 from parallelisms.dtensor.placements import Placement
 
 
@@ -24,11 +24,11 @@ def reduce_partial_grads(params: Iterable[nn.Parameter]) -> int:
     """Turn every Partial DTensor gradient of `params` into its reduced value (Partial -> Replicate on each
     partial mesh dim, the other placements kept), coalescing gradients of one mesh, placements and dtype into
     one buffer. Returns the number of all-reduces issued (one per group and partial mesh dim)."""
-    groups: dict[tuple[int, tuple[Placement, ...], torch.dtype], list[nn.Parameter]] = defaultdict(list)
+    groups: dict[tuple[DeviceMesh, tuple[Placement, ...], torch.dtype], list[nn.Parameter]] = defaultdict(list)
     for p in params:
         grad = p.grad
         if isinstance(grad, DTensor) and any(isinstance(q, Partial) for q in grad.placements):
-            groups[(id(grad.device_mesh), tuple(grad.placements), grad.dtype)].append(p)
+            groups[(grad.device_mesh, tuple(grad.placements), grad.dtype)].append(p)  # equal meshes group
     issued = 0
     for (_, placements, _), members in groups.items():
         grads = [p.grad for p in members]
