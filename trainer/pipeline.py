@@ -27,6 +27,7 @@ from torch import nn
 from models.llama3 import Transformer
 from models.llama3.pipeline import module_fqns_per_stage, split_model, tied_across_stages
 from parallelisms.dtensor import DeviceMesh, DTensor
+from parallelisms.dtensor.dtensor import local_tensor
 from parallelisms.pipeline_parallel import ScheduleSpec, lower_schedule, stage_to_rank
 from parallelisms.pipeline_parallel.runtime import PipelineSchedule
 from parallelisms.pipeline_parallel.stage import BoundaryMeta, PipelineStage
@@ -89,7 +90,7 @@ class PipelineParts(nn.Module):
         """Copy the embedding into the output's copy on this rank (after an optimizer step or a load)."""
         pair = self.local_tied_pair()
         if pair is not None:
-            _local(pair[1]).copy_(_local(pair[0]))
+            local_tensor(pair[1]).copy_(local_tensor(pair[0]))
 
     def forward(self, *args: object) -> None:
         raise RuntimeError("a pipelined model runs through its schedule (trainer/pipeline.py), not forward()")
@@ -225,10 +226,6 @@ def _tied_weight(part: Transformer) -> nn.Parameter:
     return module.weight  # type: ignore[return-value]
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
-
-
 def _sum_tied_gradients(pipeline: Pipeline) -> None:
     """A weight tied across the first and the last stage steps with the sum of both copies' gradients, so
     the copies stay equal and equal one process's: on two ranks (looped placement) one all-reduce of this
@@ -238,7 +235,7 @@ def _sum_tied_gradients(pipeline: Pipeline) -> None:
     if pair is not None:
         embedding, copy = pair
         assert embedding.grad is not None and copy.grad is not None, "a tied weight without a gradient"
-        _local(embedding.grad).add_(_local(copy.grad))
+        local_tensor(embedding.grad).add_(local_tensor(copy.grad))
         copy.grad = None
         return
     tied = [part for part in pipeline.model.parts if tied_across_stages(part)]
@@ -247,7 +244,7 @@ def _sum_tied_gradients(pipeline: Pipeline) -> None:
     assert pipeline.tie_group is not None and len(tied) == 1
     grad = _tied_weight(tied[0]).grad
     assert grad is not None, "a tied weight without a gradient after the step's backward"
-    dist.all_reduce(_local(grad), group=pipeline.tie_group)
+    dist.all_reduce(local_tensor(grad), group=pipeline.tie_group)
 
 
 def build_tie_group(world_mesh: DeviceMesh, tied: bool, placement: str) -> dist.ProcessGroup | None:

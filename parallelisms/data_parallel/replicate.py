@@ -35,13 +35,10 @@ from torch import nn
 
 from parallelisms.dtensor import DeviceMesh, DTensor
 from parallelisms.dtensor.collectives import InFlight, broadcast, start_all_reduce_flat
+from parallelisms.dtensor.dtensor import local_tensor
 from parallelisms.module_class import with_mixin
 
 from .buckets import MIB, assign_buckets
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 @dataclass
@@ -60,7 +57,7 @@ class _Bucket:
         grads = [p.grad for p in self.params]
         if self.buffer is None:
             first = next((g for g in grads if g is not None), None)
-            device = _local(first).device if first is not None else _local(self.params[0]).device
+            device = local_tensor(first).device if first is not None else local_tensor(self.params[0]).device
             self.buffer = torch.empty(sum(self.numels), dtype=self.params[0].dtype, device=device)
         offset = 0
         for i, (grad, n) in enumerate(zip(grads, self.numels)):
@@ -69,7 +66,7 @@ class _Bucket:
                 view.zero_()
                 self.missing.add(i)
             else:  # DDP's pre-division: copy and scale in one pass (x * (1/n), exactly as torch's reducer)
-                torch.mul(_local(grad).reshape(-1), scale, out=view)
+                torch.mul(local_tensor(grad).reshape(-1), scale, out=view)
             offset += n
         self.inflight = start_all_reduce_flat(self.buffer, group, async_op=True)
         self.launched = True
@@ -82,10 +79,10 @@ class _Bucket:
             view = self.buffer[offset : offset + n]
             offset += n
             if i not in self.missing:
-                grad = _local(param.grad)  # type: ignore[arg-type]
+                grad = local_tensor(param.grad)  # type: ignore[arg-type]
                 grad.copy_(view.view_as(grad))
                 continue
-            local = view.view_as(_local(param)).clone()
+            local = view.view_as(local_tensor(param)).clone()
             param.grad = (
                 DTensor.from_local(local, param.device_mesh, param.placements) if isinstance(param, DTensor) else local
             )
@@ -119,21 +116,21 @@ class ReplicateState:
             self._set_buckets(list(range(len(params)))[::-1])
             for p in params:
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
-            self._impls = [weakref.ref(_local(p)) for p in params]
+            self._impls = [weakref.ref(local_tensor(p)) for p in params]
             return True
-        swapped = [p for p, before in zip(params, self._impls) if before() is not _local(p)]
+        swapped = [p for p, before in zip(params, self._impls) if before() is not local_tensor(p)]
         for p in swapped:
             hooks = p._post_accumulate_grad_hooks
             p._post_accumulate_grad_hooks = None  # type: ignore[assignment]
             p._post_accumulate_grad_hooks = hooks
         if swapped:
-            self._impls = [weakref.ref(_local(p)) for p in params]
+            self._impls = [weakref.ref(local_tensor(p)) for p in params]
         return bool(swapped)
 
     # ----------------------------------------------------------------------------- buckets
     def _set_buckets(self, order: list[int]) -> None:
         """Buckets over the parameters at positions `order` (the order their gradients are expected)."""
-        numels = [_local(self.params[i]).numel() for i in order]
+        numels = [local_tensor(self.params[i]).numel() for i in order]
         nbytes = [n * self.params[i].element_size() for n, i in zip(numels, order)]
         kinds = [self.params[i].dtype for i in order]
         self.buckets = [
@@ -191,7 +188,7 @@ class ReplicateState:
     # ----------------------------------------------------------------------------- start-up
     def sync_module_states(self) -> None:
         """Every parameter and buffer becomes the group rank 0's (one broadcast per dtype)."""
-        tensors = [_local(t) for t in (*self.module.parameters(), *self.module.buffers())]
+        tensors = [local_tensor(t) for t in (*self.module.parameters(), *self.module.buffers())]
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for t in tensors:
             by_dtype.setdefault(t.dtype, []).append(t)
@@ -244,7 +241,7 @@ def _group_of(mesh: DeviceMesh | None) -> dist.ProcessGroup:
 
 
 def _on_meta(module: nn.Module) -> bool:
-    return any(_local(t).is_meta for t in (*module.parameters(), *module.buffers()))
+    return any(local_tensor(t).is_meta for t in (*module.parameters(), *module.buffers()))
 
 
 def replicate(module: nn.Module, mesh: DeviceMesh | None = None, *, bucket_cap_mb: float = 25) -> nn.Module:

@@ -234,6 +234,12 @@ class DTensor(torch.Tensor):
         return replicated.to_local(grad_placements=grad_placements)
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's tensor of `t`: a DTensor's shard itself (no autograd, writes reach the DTensor), a plain
+    tensor as it is. For code that reads or fills shards in place (optimizer-side copies, bucket views)."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
 def _rebuild_dtensor(
     local: torch.Tensor,
     local_requires_grad: bool,

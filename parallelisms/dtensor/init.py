@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from .dtensor import DTensor
+from .dtensor import DTensor, local_tensor
 from .factories import _base_seed, _blocked
 
 
@@ -86,15 +86,11 @@ def _norm_cdf(x: float) -> float:
 _TORCH_TRUNC_NORMAL = nn.init.trunc_normal_
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
-
-
 def _fill(tensor: torch.Tensor, draw: Any, transform: Any) -> torch.Tensor:
     """Write this rank's part of the global stream, through `transform`, into its shard, a group
     of rows at a time (no shard-sized temporary: init peaks near the shards themselves)."""
     base = _base_seed()  # drawn on every rank, shard or not, so the generators stay in step
-    if _local(tensor).is_meta:  # nothing to write (a stand-in): the draw alone keeps later fills in place
+    if local_tensor(tensor).is_meta:  # nothing to write (a stand-in): the draw alone keeps later fills in place
         return tensor
     if isinstance(tensor, DTensor):
         if tensor.device_mesh.get_coordinate() is None:
@@ -102,7 +98,7 @@ def _fill(tensor: torch.Tensor, draw: Any, transform: Any) -> torch.Tensor:
         shape, offset = tensor._spec.local_shape_and_offset()
     else:
         shape, offset = tuple(tensor.shape), (0,) * tensor.ndim
-    local = _local(tensor)
+    local = local_tensor(tensor)
     with torch.no_grad():
         _blocked(
             draw, base, shape, offset, local.dtype, local.device, tuple(tensor.shape), out=local, transform=transform

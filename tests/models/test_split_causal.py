@@ -79,5 +79,6 @@ def test_fake_tensors_and_the_model_entry_point() -> None:
         q = torch.zeros(1, 2, 512, 16)
         assert not splits_causal_square(q, q)  # the estimator traces SDPA itself
     base = _inputs(512, 8)
+    assert splits_causal_square(*(t.float().transpose(1, 2) for t in base[:2]))  # the entry point takes the split
     for got, want in zip(_run(causal_attention, base, torch.float32), _run(_sdpa, base, torch.float32)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
