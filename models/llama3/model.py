@@ -1,5 +1,5 @@
-"""Llama 3 on one device: RMSNorm, RoPE, grouped-query attention, SwiGLU (imports torch; split_causal.py reuses
-context parallelism's block attention kernels and merge).
+"""Llama 3 on one device: RMSNorm, RoPE, grouped-query attention, SwiGLU (imports only torch and split_causal.py,
+which imports only torch).
 
 Parallelism is applied from outside (parallelize.py). To let tensor-parallel sharding of the
 projections work unchanged, attention never uses the configured head counts to reshape: it infers

@@ -6,8 +6,9 @@ up to 512 tokens costs it as much as the full square (forward + backward of (4, 
 halves stacked on the batch dim) and one full block: the second half's queries over the first half's keys.
 That is 3/4 of the kernel's work; halving the diagonal blocks again (`split_levels`) approaches 1/2. The
 results for a row merge by their log-sum-exp; the backward runs the kernel's own backward on each block given
-the merged output and log-sum-exp, which is exact per block: ring attention's block kernels and merge
-(parallelisms/context_parallel), run on blocks of one sequence.
+the merged output and log-sum-exp, which is exact per block. These are ring attention's block kernels and
+merge (parallelisms/context_parallel: kernels.py, merge.py) written again for the CPU case on purpose: model
+code never imports parallelisms (DESIGN.md), and the merge here works on views of the rows' blocks.
 Beyond 512 tokens the kernel skips whole masked key blocks itself and the split stops paying (measured at
 1,024 - 8,192), so `causal_attention` splits only in the range it measured.
 """
@@ -18,8 +19,8 @@ from typing import Any
 
 import torch
 
-from parallelisms.context_parallel.kernels import block_backward, block_forward
-from parallelisms.context_parallel.merge import merge_into
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 KERNEL_KEY_BLOCK = 512  # the CPU flash kernel's key block at >= 512 keys (ATen's FlashAttentionKernel.cpp)
 
@@ -92,37 +93,34 @@ class _SplitCausal(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, levels: int) -> torch.Tensor:
-        b, n, scale = q.shape[0], 2**levels, q.shape[-1] ** -0.5
-        q_n, k_n, v_n = (_blocks(t, n, EVERY) for t in (q, k, v))
-        diagonal, diagonal_lse = block_forward(q_n, k_n, v_n, causal=True, scale=scale, kernel="flash")
+        b, n = q.shape[0], 2**levels
+        diagonal, diagonal_lse = _flash(_blocks(q, n, EVERY), _blocks(k, n, EVERY), _blocks(v, n, EVERY), 0.0, True)
         out = _unblock(diagonal, b).float()  # a fresh fp32 buffer, merged into in place
         lse = _unblock(diagonal_lse.unsqueeze(-1), b).squeeze(-1).contiguous()  # (B, H, T) fp32
         for level in range(1, levels + 1):
             m = 2**level
-            k_m, v_m = (_blocks(t, m, EVEN) for t in (k, v))
-            below, below_lse = block_forward(_blocks(q, m, ODD), k_m, v_m, causal=False, scale=scale, kernel="flash")
+            below, below_lse = _flash(_blocks(q, m, ODD), _blocks(k, m, EVEN), _blocks(v, m, EVEN), 0.0, False)
             acc_lse = _lse_blocks(lse, m, ODD)
-            merge_into(_blocks(out, m, ODD), acc_lse, below, below_lse)  # the rows' view of `out`, in place
-            _set_lse_blocks(lse, m, ODD, acc_lse)
+            merged = torch.logaddexp(acc_lse, below_lse)
+            acc = _blocks(out, m, ODD)  # a view: the merge writes into `out`
+            acc.mul_(torch.exp(acc_lse - merged).unsqueeze(-1))
+            acc.add_(below * torch.exp(below_lse - merged).unsqueeze(-1))
+            _set_lse_blocks(lse, m, ODD, merged)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.levels, ctx.scale = levels, scale
+        ctx.levels = levels
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
         q, k, v, out, lse = ctx.saved_tensors
-        b, n, scale = q.shape[0], 2**ctx.levels, ctx.scale
-        g_n, q_n, k_n, v_n, o_n = (_blocks(t, n, EVERY) for t in (grad, q, k, v, out))
-        grads = block_backward(g_n, q_n, k_n, v_n, o_n, _lse_blocks(lse, n, EVERY), causal=True, scale=scale,
-                               kernel="flash")  # fmt: skip
-        dq, dk, dv = (_unblock(g, b) for g in grads)
+        b, n = q.shape[0], 2**ctx.levels
+        every = (_blocks(t, n, EVERY) for t in (grad, q, k, v, out))
+        dq, dk, dv = (_unblock(g, b) for g in _flash_backward(*every, _lse_blocks(lse, n, EVERY), 0.0, True))
         for level in range(1, ctx.levels + 1):
             m = 2**level
-            g_m, q_m, o_m = (_blocks(t, m, ODD) for t in (grad, q, out))  # the rows: odd blocks
-            k_m, v_m = (_blocks(t, m, EVEN) for t in (k, v))  # their keys: the even block before each
-            gq, gk, gv = block_backward(g_m, q_m, k_m, v_m, o_m, _lse_blocks(lse, m, ODD), causal=False, scale=scale,
-                                        kernel="flash")  # fmt: skip
+            rows, cols = (_blocks(t, m, ODD) for t in (grad, q)), (_blocks(t, m, EVEN) for t in (k, v))
+            gq, gk, gv = _flash_backward(*rows, *cols, _blocks(out, m, ODD), _lse_blocks(lse, m, ODD), 0.0, False)
             _blocks(dq, m, ODD).add_(gq)
             _blocks(dk, m, EVEN).add_(gk)
             _blocks(dv, m, EVEN).add_(gv)
