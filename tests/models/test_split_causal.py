@@ -82,3 +82,15 @@ def test_fake_tensors_and_the_model_entry_point() -> None:
     assert splits_causal_square(*(t.float().transpose(1, 2) for t in base[:2]))  # the entry point takes the split
     for got, want in zip(_run(causal_attention, base, torch.float32), _run(_sdpa, base, torch.float32)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_model_code_imports_no_parallelisms() -> None:
+    """DESIGN.md: models/*/model.py never imports parallelisms (split_causal.py included), checked in a fresh
+    interpreter so this session's imports do not hide it."""
+    import subprocess
+    import sys
+
+    probe = "import sys, models.llama3.model; print(sorted(m for m in sys.modules if m.startswith('parallelisms')))"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]", done.stdout
