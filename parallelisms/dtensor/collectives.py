@@ -194,6 +194,19 @@ def scatter_chunks(tensor: torch.Tensor, dim: int, group: ProcessGroup, index: i
     return out.narrow(dim, 0, sizes[index]).contiguous() if sizes[index] != full else out
 
 
+def exchange(
+    sends: list[tuple[int, torch.Tensor]], receives: list[tuple[int, torch.Tensor]], group: ProcessGroup
+) -> None:
+    """Point to point within `group`: send each tensor to its group rank and fill each buffer from its group
+    rank, all posted as one batch (`batch_isend_irecv`); returns when every transfer has completed. Each pair
+    of ranks exchanges at most one tensor each way per call (the pairs then need no tags)."""
+    ops = [dist.P2POp(dist.isend, wait_all(t).contiguous(), group=group, group_peer=peer) for peer, t in sends]
+    ops += [dist.P2POp(dist.irecv, buffer, group=group, group_peer=peer) for peer, buffer in receives]
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+
 def all_gather_object(obj: object, group: ProcessGroup) -> list[object]:
     """Every rank's `obj` (pickled); for rare metadata checks only."""
     out: list[object] = [None] * group.size()

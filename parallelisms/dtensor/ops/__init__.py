@@ -2,6 +2,7 @@
 
 from . import (  # noqa: F401  (importing registers the rules)
     attention,
+    convolution,
     embedding,
     fft,
     foreach,
