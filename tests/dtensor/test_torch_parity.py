@@ -338,3 +338,45 @@ def test_ops_along_a_sharded_dim_gather_it_once_and_return_replicate_as_torch(op
     assert ours["placements"] == theirs["placements"] == ["Replicate()"]
     assert ours["comm"] == theirs["comm"] == {"all_gather_into_tensor": 1}
     torch.testing.assert_close(ours["value"], theirs["value"])
+
+
+# --------------------------------------------------------------------------------------------------
+# Partial arithmetic: collectives and placements as torch's
+# --------------------------------------------------------------------------------------------------
+
+
+def partial_arithmetic_program(name: str, dt, tp) -> dict[str, Any]:
+    """The cases of torch's test_mul_partial and test_maximum_mixed_partials_redistribution, counted."""
+    counter = CommDebugMode if name == "ours" else TorchCommDebugMode
+    mesh, rank = _mesh(name), torch.distributed.get_rank()
+    cases = {
+        "P*P": lambda: (
+            dt.DTensor.from_local(torch.ones(2, 2), mesh, [dt.Partial()])
+            * dt.DTensor.from_local(torch.ones(2, 2), mesh, [dt.Partial()])
+        ),
+        "P(avg)*2": lambda: dt.DTensor.from_local(torch.ones(4), mesh, [dt.Partial("avg")]) * torch.tensor(2.0),
+        "P(max)*R": lambda: (
+            dt.DTensor.from_local(torch.ones(4), mesh, [dt.Partial("max")])
+            * dt.distribute_tensor(torch.ones(4), mesh, [dt.Replicate()])
+        ),
+        "max(P(max), P(sum))": lambda: torch.maximum(
+            dt.DTensor.from_local(torch.ones(4, 4) * (rank + 1), mesh, [dt.Partial("max")]),
+            dt.DTensor.from_local(torch.ones(4, 4) * 0.1 * (rank + 1), mesh, [dt.Partial("sum")]),
+        ),
+    }
+    out = {}
+    for case, fn in cases.items():
+        with counter() as comm:
+            y = fn()
+        # torch keys a direct c10d call by its c10d name (broadcast_), ours by its functional twin's (broadcast)
+        counts = {str(k).split(".")[-1].rstrip("_"): v for k, v in comm.get_comm_counts().items() if v}
+        out[case] = ([repr(p) for p in y.placements], counts, y.full_tensor())
+    return out
+
+
+def test_partial_arithmetic_follows_torch() -> None:
+    result = run_world(both, 2, partial_arithmetic_program)[0]
+    for case, (placements, counts, value) in result["torch"].items():
+        ours = result["ours"][case]
+        assert ours[:2] == (placements, counts), case
+        torch.testing.assert_close(ours[2], value, msg=case)
