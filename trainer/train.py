@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -57,7 +58,15 @@ from .preemption import PreemptionWatch
 from .preflight import check_config
 from .profiling import Profiler
 from .runtime import Runtime, build_runtime
-from .step import NonfiniteWatch, fetch_micro_batches, global_target_count, reduce_loss, tokens_per_device, train_step
+from .step import (
+    NonfiniteWatch,
+    StepResult,
+    fetch_micro_batches,
+    global_target_count,
+    reduce_loss,
+    tokens_per_device,
+    train_step,
+)
 from .tokenizer import Tokenizer, build_model_tokenizer, model_vocab_size
 from .train_state import TrainState
 from .validate import ScalarWriter, Validator, build_held_out_windows
@@ -367,35 +376,22 @@ def train_loop(cfg: JobConfig, runtime: Runtime, c: Components) -> list[float]:
     component's end of step (it decides its own cadence). Returns the logged losses."""
     training, state = cfg.training, c.train_state
     batches, first_step = iter(c.loader), state.step + 1
-    compile_loss = cfg.compile.enable and "loss" in cfg.compile.components and not runtime.loss_parallel
-    cross_entropy = build_cross_entropy(cfg.compile.backend if compile_loss else None)
+    run_step = bind_train_step(cfg, runtime, c)
     nonfinite = NonfiniteWatch(runtime.device, skip=training.skip_nonfinite_steps,
                                max_consecutive_skips=training.max_consecutive_skipped_steps)  # fmt: skip
     if c.checkpointer is not None:
         c.checkpointer.add_pre_save_hook(nonfinite.check)  # never save weights a non-finite step spoilt
-    saving = c.checkpointer is not None and c.checkpointer.saving
     c.metrics.begin(state)
     with (
         GarbageCollection(training.gc_freq, debug=training.gc_debug) as collector,
-        PreemptionWatch(enabled=saving) as preemption,
+        PreemptionWatch(enabled=c.checkpointer is not None and c.checkpointer.saving) as preemption,
     ):
         for step in range(first_step, training.steps + 1):
             with c.metrics.timing_data():
                 micro = fetch_micro_batches(batches, c.loader.accumulation_steps, runtime.device)
             lr = float(c.scheduler.get_last_lr()[0])
             local = runtime.shard_sequences(micro)  # this rank's tokens: under CP a share of each sequence
-            targets = global_target_count([y for _, y in local], runtime.dp_cp_mesh)
-            if isinstance(c.model, PipelineParts):
-                result = pipeline_train_step(c.model.pipeline, c.optimizer, local, targets=targets,
-                                             grad_average_size=runtime.grad_average_size, max_norm=training.max_norm,
-                                             use_loss_parallel=runtime.loss_parallel)  # fmt: skip
-            else:
-                result = train_step(
-                    c.model, c.optimizer, local, targets=targets, grad_average_size=runtime.grad_average_size,
-                    max_norm=training.max_norm,
-                    use_loss_parallel=runtime.loss_parallel, skip_nonfinite=training.skip_nonfinite_steps,
-                    autocast=runtime.precision.autocast, cross_entropy=cross_entropy,
-                )  # fmt: skip
+            result = run_step(local, global_target_count([y for _, y in local], runtime.dp_cp_mesh))
             nonfinite.observe(step, result)
             c.scheduler.step()
             state.advance(step, tokens=sum(x.numel() for x, _ in micro) * runtime.dp_size, skipped=result.skipped)
@@ -404,14 +400,7 @@ def train_loop(cfg: JobConfig, runtime: Runtime, c: Components) -> list[float]:
                 nonfinite.check()  # the host waits here anyway
                 loss = reduce_loss(result.loss, runtime.dp_cp_mesh)
                 c.metrics.log_interval(step, loss=loss, grad_norm=float(result.grad_norm), lr=lr)
-            with c.metrics.paused():  # not training: tok/s leaves these out
-                saved = c.checkpointer is not None and c.checkpointer.save_if_due(step, last=step == training.steps)
-                if c.validator is not None:
-                    c.validator.validate_if_due(c.model, step)
-            if preemption.requested():  # collective: every rank stops at the same step
-                if not saved:
-                    c.checkpointer.save(step)  # type: ignore[union-attr]
-                raise preemption.stop(step, saved=True)
+            end_of_step(c, step, last=step == training.steps, preemption=preemption)
             if step == first_step:  # it may have compiled or loaded: init_timeout_seconds covered it
                 set_collective_timeout(runtime, cfg.comm.train_timeout_seconds)
             collector.step(step)
@@ -422,6 +411,38 @@ def train_loop(cfg: JobConfig, runtime: Runtime, c: Components) -> list[float]:
     else:
         logger.info("training done: nothing left to train (resumed at step %d of %d)", state.step, training.steps)
     return c.metrics.losses
+
+
+def bind_train_step(cfg: JobConfig, runtime: Runtime, c: Components) -> Callable[[list, torch.Tensor], StepResult]:
+    """`run_step(local_micro_batches, targets)`: the pipeline's step or `train_step`, with the config's
+    constants bound once."""
+    average, max_norm, loss_parallel = runtime.grad_average_size, cfg.training.max_norm, runtime.loss_parallel
+    if isinstance(c.model, PipelineParts):
+        pipeline = c.model.pipeline
+        return lambda local, targets: pipeline_train_step(
+            pipeline, c.optimizer, local, targets=targets, grad_average_size=average, max_norm=max_norm,
+            use_loss_parallel=loss_parallel,
+        )  # fmt: skip
+    compile_loss = cfg.compile.enable and "loss" in cfg.compile.components and not loss_parallel
+    cross_entropy = build_cross_entropy(cfg.compile.backend if compile_loss else None)
+    model, skip, autocast = c.model, cfg.training.skip_nonfinite_steps, runtime.precision.autocast
+    return lambda local, targets: train_step(
+        model, c.optimizer, local, targets=targets, grad_average_size=average, max_norm=max_norm,
+        use_loss_parallel=loss_parallel, skip_nonfinite=skip, autocast=autocast, cross_entropy=cross_entropy,
+    )  # fmt: skip
+
+
+def end_of_step(c: Components, step: int, *, last: bool, preemption: PreemptionWatch) -> None:
+    """The checkpointer and the validator at their cadence (outside tok/s), then a requested preemption:
+    every rank stops at the same step, with this step saved."""
+    with c.metrics.paused():  # not training: tok/s leaves these out
+        saved = c.checkpointer is not None and c.checkpointer.save_if_due(step, last=last)
+        if c.validator is not None:
+            c.validator.validate_if_due(c.model, step)
+    if preemption.requested():  # collective: every rank stops at the same step
+        if not saved:
+            c.checkpointer.save(step)  # type: ignore[union-attr]
+        raise preemption.stop(step, saved=True)
 
 
 def set_collective_timeout(runtime: Runtime, seconds: int) -> None:
