@@ -37,17 +37,25 @@ from .tensor_ops import R, Row, expand, partials
 P_SUM = Partial("sum")
 
 
+def _channel_dims(call: OpCall) -> tuple[bool, tuple[int, int] | None]:
+    """(transposed, the weight's (out, in) channel dims), the dims None when groups > 1: a channel shard
+    would then have to split along group boundaries."""
+    transposed = call.bound["transposed"]
+    if call.bound["groups"] != 1:
+        return transposed, None
+    return transposed, ((1, 0) if transposed else (0, 1))
+
+
 @register(aten.convolution.default)
 def convolution_rule(call: OpCall) -> list[Sharding]:
     """The forward half of the table in the module docstring."""
-    b = call.bound
-    transposed, single_group = b["transposed"], b["groups"] == 1
-    wo, wi = (1, 0) if transposed else (0, 1)
+    transposed, channel_dims = _channel_dims(call)
     rows = [
         Row({"input": R, "weight": R, "bias": R}, (R,)),
         Row({"input": Shard(0), "weight": R, "bias": R}, (Shard(0),)),
     ]
-    if single_group:
+    if channel_dims is not None:
+        wo, wi = channel_dims
         rows.append(Row({"input": R, "weight": Shard(wo), "bias": Shard(0)}, (Shard(1),)))
         rows.append(Row({"input": Shard(1), "weight": Shard(wi), "bias": P_SUM}, (P_SUM,)))
     for p in partials(call, ("sum", "avg")):
@@ -61,14 +69,13 @@ def convolution_rule(call: OpCall) -> list[Sharding]:
 @register(aten.convolution_backward.default)
 def convolution_backward_rule(call: OpCall) -> list[Sharding]:
     """The backward half of the table: (grad_input, grad_weight, grad_bias), any of them masked off."""
-    b = call.bound
-    transposed, single_group = b["transposed"], b["groups"] == 1
-    wo, wi = (1, 0) if transposed else (0, 1)
+    transposed, channel_dims = _channel_dims(call)
     rows = [
         Row({"grad_output": R, "input": R, "weight": R}, (R, R, R)),
         Row({"grad_output": Shard(0), "input": Shard(0), "weight": R}, (Shard(0), P_SUM, P_SUM)),
     ]
-    if single_group:
+    if channel_dims is not None:
+        wo, wi = channel_dims
         rows.append(Row({"grad_output": Shard(1), "input": R, "weight": Shard(wo)}, (P_SUM, Shard(wo), Shard(0))))
         rows.append(Row({"grad_output": R, "input": Shard(1), "weight": Shard(wi)}, (Shard(1), Shard(wi), R)))
     for p in partials(call, ("sum", "avg")):
