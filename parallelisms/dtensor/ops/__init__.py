@@ -12,6 +12,7 @@ from . import (  # noqa: F401  (importing registers the rules)
     matmul,
     norms,
     pointwise,
+    pooling,
     random,
     reductions,
     tensor_ops,
