@@ -76,6 +76,8 @@ def _aligned_dims(dim: int, *specs: Any) -> list[int]:
     aten.scatter_.reduce,
     aten.scatter.value_reduce,
     aten.scatter_.value_reduce,
+    aten.scatter_reduce.two,
+    aten.scatter_reduce_.two,
 )
 def scatter(call: OpCall) -> list[Sharding]:
     """Writes along dim, so dim stays unsharded; other dims shard when self, index, src agree in size.
@@ -125,6 +127,19 @@ def index_add(call: OpCall) -> list[Sharding]:
     rows += [Row({"self": p, "index": R, "source": p}, (p,)) for p in partials(call, ("sum", "avg"))]
     if isinstance(index, DTensorSpec) and index.ndim == 1 and source.ndim == self.ndim:
         rows.append(Row({"self": Partial(), "index": Shard(0), "source": Shard(dim)}, (Partial(),)))
+    return expand(call, rows)
+
+
+@register(aten.index_reduce.default, aten.index_reduce_.default)
+def index_reduce(call: OpCall) -> list[Sharding]:
+    """self[index[i]] = reduce(self[index[i]], source[i]) along dim (prod, mean, amax, amin): rows are
+    independent across the other dims, so S(d != dim) on self and source; no Partial (not linear)."""
+    self, source = call.bound["self"], call.bound["source"]
+    dim = norm_dim(call.bound["dim"], self.ndim)
+    rows = [Row({"self": R, "index": R, "source": R}, (R,))]
+    rows += [
+        Row({"self": Shard(d), "index": R, "source": Shard(d)}, (Shard(d),)) for d in _aligned_dims(dim, self, source)
+    ]
     return expand(call, rows)
 
 

@@ -62,7 +62,7 @@ NANSUM = Reduction("sum")  # a NaN in one partial term is not a NaN of the sum: 
 MEAN = Reduction("avg", ("sum", "avg"), needs_even=True)
 MAX = Reduction("max", ("max",), needs_nonempty=True)
 MIN = Reduction("min", ("min",), needs_nonempty=True)
-GATHER = Reduction(None)  # var/std/argmax/prod/all/any/logsumexp/max.dim: only unsharded dims reduce
+GATHER = Reduction(None)  # var/std/argmax/prod/all/any/logsumexp/max.dim/median/mode: only unsharded dims reduce
 LINEAR_SCAN = Reduction(None, ("sum", "avg"), scan=True)  # cumsum is linear in its input
 SCAN = Reduction(None, scan=True)
 
@@ -89,6 +89,8 @@ for _op in (
     aten.std_mean.default, aten.std_mean.dim, aten.std_mean.correction,
     aten.all.default, aten.all.dim, aten.all.dims, aten.any.default, aten.any.dim, aten.any.dims,
     aten.prod.default, aten.prod.dim_int, aten.logsumexp.default,
+    aten.median.default, aten.median.dim, aten.nanmedian.default, aten.nanmedian.dim, aten.mode.default,
+    aten.kthvalue.default,
 ):  # fmt: skip
     REDUCTIONS[_op] = GATHER
 

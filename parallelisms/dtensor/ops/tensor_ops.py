@@ -429,6 +429,29 @@ def bucketize(call: OpCall) -> list[Sharding]:
     return [s for s in expand(call, rows) if _one_reduce_op(s.outputs[0])]
 
 
+@register(aten.searchsorted.Tensor)
+def searchsorted(call: OpCall) -> list[Sharding]:
+    """searchsorted(sorted_sequence, values): each value's insertion index in its row of the sequence (of the
+    sequence itself when it is 1-D). Per mesh dim:
+
+        values S(d) or R, sequence R            elementwise in values (1-D sequence)
+        values, sequence (and sorter) S(d)      a leading dim d of an N-D sequence: rows are independent
+        values P(max) / P(min), sequence R      the index is monotone in the value
+        values R, sequence S(last), no sorter   each rank counts its own elements below the value: P(sum)
+    """
+    seq, values = call.bound["sorted_sequence"], call.bound["self"]
+    names = ("sorted_sequence", "self", "sorter")
+    rows = [Row(dict.fromkeys(names, R), (R,))]
+    if seq.ndim == 1:
+        rows += [Row({"sorted_sequence": R, "self": Shard(d), "sorter": R}, (Shard(d),)) for d in range(values.ndim)]
+    else:
+        rows += [Row(dict.fromkeys(names, Shard(d)), (Shard(d),)) for d in range(seq.ndim - 1)]
+    rows += [Row({"sorted_sequence": R, "self": Partial(op), "sorter": R}, (Partial(op),)) for op in ("max", "min")]
+    if call.bound.get("sorter") is None:
+        rows.append(Row({"sorted_sequence": Shard(seq.ndim - 1), "self": R}, (Partial("sum"),)))
+    return [s for s in expand(call, rows) if _one_reduce_op(s.outputs[0])]
+
+
 def _one_reduce_op(placements: Placements | None) -> bool:
     """A spec holds one kind of Partial (mixed reduce ops have no single reduction order)."""
     ops = {p.reduce_op for p in placements or () if isinstance(p, Partial)}

@@ -139,6 +139,10 @@ def reduction_cases() -> list[tuple]:
         (lambda x: x.argmax(1, keepdim=True), CUBE, False),
         (lambda x: x.prod(0), UNEVEN, False),  # backward cats a plain `ones` with DTensors (torch autograd)
         (lambda x: x.logsumexp(-1), UNEVEN, True),
+        (lambda x: x.median(), UNEVEN, True),
+        (lambda x: x.median(0), UNEVEN, True),  # values and indices
+        (lambda x: x.nanmedian(-1, keepdim=True), CUBE, True),
+        (lambda x: x.round().mode(0), UNEVEN, False),
         (lambda x: x.nansum(0), UNEVEN, True),
         (lambda x: x.cumsum(0), UNEVEN, True),
         (lambda x: x.cumsum(1), CUBE, True),

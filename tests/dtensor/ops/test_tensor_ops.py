@@ -152,6 +152,30 @@ def tensor_op_cases(gen: torch.Generator) -> list[tuple]:
         ("scatter_value", lambda a, i: a.scatter(0, i, 1.5), [x, perm], False, True),
         ("scatter_add", lambda a, i, s: a.scatter_add(0, i, s), [x, ints(5, 5, 7), r(5, 7)], True, True),
         ("scatter_add_small", lambda a, i, s: a.scatter_add(1, i, s), [x, ints(7, 5, 3), r(5, 3)], True, True),
+        (
+            "scatter_reduce_amax",
+            lambda a, i, s: a.scatter_reduce(0, i, s, "amax"),
+            [x, ints(5, 5, 7), r(5, 7)],
+            False,
+            True,
+        ),
+        (
+            "scatter_reduce_mean",
+            lambda a, i, s: a.scatter_reduce(1, i, s, "mean", include_self=False),
+            [x, ints(7, 5, 3), r(5, 3)],
+            False,
+            True,
+        ),  # fmt: skip
+        ("index_reduce_prod", lambda a, i, s: a.index_reduce(1, i, s, "prod"), [x, idx, r(5, 4)], False, False),
+        ("searchsorted_1d", lambda q, v: torch.searchsorted(q, v), [torch.arange(-2.0, 2.0, 0.3), x], True, False),
+        (
+            "searchsorted_rows",
+            lambda q, v: torch.searchsorted(q.sort(-1).values, v, right=True),
+            [r(5, 6), x],
+            True,
+            False,
+        ),  # fmt: skip
+        ("kthvalue", lambda a: a.kthvalue(2, 0), [x], False, True),
         ("index_rows", lambda a, i: a[i], [x, idx], True, True),
         ("index_cols", lambda a, i: a[:, i], [x, idx], True, True),
         ("index_2d_index", lambda a, i: a[i], [x, ints(5, 3, 2)], False, True),
