@@ -397,6 +397,22 @@ def constant_pad_nd(call: OpCall) -> list[Sharding]:
     return expand(call, same_dim_rows(call, self.ndim, ["self"], padded, reduce_ops=reduce_ops), reshard=False)
 
 
+@register(aten.slice_scatter.default, aten.select_scatter.default)
+def slice_select_scatter(call: OpCall) -> list[Sharding]:
+    """self with a slice (or one index) along dim replaced by src: every other dim keeps its shards on self and
+    src alike (src lacks dim for select_scatter); dim is gathered. Each element is copied from self or from src,
+    so a Partial of one reduce op on both passes."""
+    self = call.bound["self"]
+    dim = norm_dim(call.bound["dim"], self.ndim)
+    selects = call.op == aten.select_scatter.default
+    rows = [Row({"self": R, "src": R}, (R,))]
+    for d in range(self.ndim):
+        if d != dim:
+            rows.append(Row({"self": Shard(d), "src": Shard(d - (selects and d > dim))}, (Shard(d),)))
+    rows += [Row({"self": p, "src": p}, (p,)) for p in partials(call)]
+    return expand(call, rows, reshard=False)
+
+
 @register(aten.sort.default, aten.sort.stable, aten.topk.default)
 def sort_topk(call: OpCall) -> list[Sharding]:
     """(values, indices) along dim: other dims keep their shards; not linear, so no Partial."""

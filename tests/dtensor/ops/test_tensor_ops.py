@@ -176,6 +176,9 @@ def tensor_op_cases(gen: torch.Generator) -> list[tuple]:
             False,
         ),  # fmt: skip
         ("kthvalue", lambda a: a.kthvalue(2, 0), [x], False, True),
+        # their backward w.r.t. self scatters a plain `zeros` of src's shape into the grad (torch autograd): forward
+        ("slice_scatter", lambda a, b: torch.slice_scatter(a, b, 1, 1, 7, 2), [x, r(5, 3)], True, False),
+        ("select_scatter", lambda a, b: torch.select_scatter(a, b, 0, 3), [x, r(7)], True, False),
         ("index_rows", lambda a, i: a[i], [x, idx], True, True),
         ("index_cols", lambda a, i: a[:, i], [x, idx], True, True),
         ("index_2d_index", lambda a, i: a[i], [x, ints(5, 3, 2)], False, True),
