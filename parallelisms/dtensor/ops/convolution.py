@@ -23,9 +23,11 @@ a halo wider than a neighbour's shard and spatial shards on several mesh dims (o
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
+from torch._ops import OpOverload
 from torch.ops import aten
 
 from .. import collectives
@@ -63,7 +65,7 @@ def convolution_rule(call: OpCall) -> list[Sharding]:
     ndim = call.specs[0].ndim
     if not transposed:
         rows += [Row({"input": Shard(d), "weight": R, "bias": R}, (Shard(d),)) for d in range(2, ndim)]
-    return _with_halo_exchange(expand(call, rows), spatial_convolution)
+    return _with_halo_exchange(expand(call, rows), call.op, spatial_convolution)
 
 
 @register(aten.convolution_backward.default)
@@ -88,26 +90,25 @@ def convolution_backward_rule(call: OpCall) -> list[Sharding]:
             Row({"grad_output": Shard(d), "input": Shard(d), "weight": R}, (Shard(d), P_SUM, P_SUM))
             for d in range(2, ndim)
         ]
-    return _with_halo_exchange(expand(call, rows), spatial_convolution_backward)
+    return _with_halo_exchange(expand(call, rows), call.op, spatial_convolution_backward)
 
 
-def _with_halo_exchange(candidates: list[Sharding], local_impl: LocalImpl) -> list[Sharding]:
+def _with_halo_exchange(candidates: list[Sharding], op: OpOverload, local_impl: LocalImpl) -> list[Sharding]:
     """Candidates whose first output is sharded along a spatial dim run `local_impl`, the others
     `convolution_on_shards`; those that would shard one spatial dim on two mesh dims (nested chunks) are
     dropped: the input is gathered on one first."""
-    kept = []
+    kept, on_shards = [], functools.partial(convolution_on_shards, op)
     for c in candidates:
         spatial = [p.dim for p in c.outputs[0] or () if isinstance(p, Shard) and p.dim >= 2]
         if len(spatial) != len(set(spatial)):
             continue
-        kept.append(Sharding(c.inputs, c.outputs, local_impl=local_impl if spatial else convolution_on_shards))
+        kept.append(Sharding(c.inputs, c.outputs, local_impl=local_impl if spatial else on_shards))
     return kept
 
 
-def convolution_on_shards(local_args: list, local_kwargs: dict, input_specs, output_specs) -> object:
-    """The op itself, unless a shard it reads is empty (3 channels over 4 ranks), which the kernels refuse:
+def convolution_on_shards(op: OpOverload, local_args: list, local_kwargs: dict, input_specs, output_specs) -> object:
+    """`op` itself, unless a shard it reads is empty (3 channels over 4 ranks), which the kernels refuse:
     then its result by arithmetic, as empty_shard_result says."""
-    op = aten.convolution_backward.default if len(local_args) + len(local_kwargs) == 11 else aten.convolution.default
     b = _bind(op, local_args, local_kwargs)
     if b["input"].numel() and b["weight"].numel():
         return op(*local_args, **local_kwargs)

@@ -14,8 +14,7 @@ from torch.ops import aten
 
 from ..placements import Shard
 from .registry import OpCall, Sharding, register
-from .tensor_ops import R, Row, expand, partials
-from .upsample import skip_empty, skip_empty_shards
+from .tensor_ops import R, Row, expand, partials, skip_empty, skip_empty_shards
 
 
 @register(aten._fft_r2c.default, aten._fft_c2r.default, aten._fft_c2c.default)

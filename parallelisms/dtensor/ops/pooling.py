@@ -22,9 +22,9 @@ import re
 import torch
 from torch._ops import OpOverload
 
-from ..placements import Shard, shards
+from ..placements import Shard
 from .registry import OpCall, Sharding, register
-from .tensor_ops import R, Row, expand, partials
+from .tensor_ops import R, Row, expand, partials, skip_empty, skip_empty_shards
 
 _FAMILY = re.compile(
     r"^_?(?P<kind>max_pool|avg_pool|adaptive_avg_pool|adaptive_max_pool|max_unpool|reflection_pad|replication_pad)"
@@ -61,19 +61,5 @@ def pooling_rule(call: OpCall) -> list[Sharding]:
         for p in partials(call, reduce_ops):
             # backward: linear in grad_output, the input (read for its shape) replicated
             rows.append(Row({n: p if i == 0 else R for i, n in enumerate(names)}, (p,)))
-    run = functools.partial(_skip_empty, call.op)
-    return [_on_shards(c, run) for c in expand(call, rows)]
-
-
-def _on_shards(candidate: Sharding, run) -> Sharding:
-    if any(o is not None and any(shards(p) for p in o) for o in candidate.outputs):
-        return Sharding(candidate.inputs, candidate.outputs, local_impl=run)
-    return candidate
-
-
-def _skip_empty(op: OpOverload, local_args: list, local_kwargs: dict, input_specs: tuple, output_specs: tuple):
-    """`op` on this rank's planes, or its empty outputs when it holds none."""
-    if local_args[0].numel():
-        return op(*local_args, **local_kwargs)
-    empties = tuple(local_args[0].new_empty(s.local_shape_and_offset()[0], dtype=s.dtype) for s in output_specs)
-    return empties if len(empties) > 1 else empties[0]
+    run = functools.partial(skip_empty, call.op)
+    return [skip_empty_shards(c, None, run) for c in expand(call, rows)]

@@ -22,14 +22,16 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
+from torch._ops import OpOverload
 
 from .. import collectives
-from ..placements import Partial, Placement, Replicate, Shard
+from ..placements import Partial, Placement, Replicate, Shard, shards
 from ..spec import DTensorSpec, is_dense
 from .registry import (
     LOCAL_SHAPE,
     LOCAL_STRIDE,
     WORLD_LOCAL_IMPLS,
+    LocalImpl,
     OpCall,
     Placements,
     Role,
@@ -151,6 +153,24 @@ def same_dim_rows(
     rows += [Row({n: Shard(d) for n in names}, (Shard(d),) * num_outputs) for d in range(ndim) if d not in skip]
     rows += [Row({n: p for n in names}, (p,) * num_outputs) for p in partials(call, reduce_ops)]
     return rows
+
+
+def skip_empty_shards(candidate: Sharding, local_args: tuple | None, run: LocalImpl) -> Sharding:
+    """A candidate with a sharded output runs `run` (and `local_args`, e.g. this rank's input_size for a
+    backward), so that a rank whose shard is empty skips the kernel (`skip_empty`)."""
+    if not any(o is not None and any(shards(p) for p in o) for o in candidate.outputs):
+        return candidate
+    return Sharding(candidate.inputs, candidate.outputs, local_args=local_args, local_impl=run)
+
+
+def skip_empty(op: OpOverload, local_args: list, local_kwargs: dict, input_specs: tuple, output_specs: tuple) -> Any:
+    """`op` on this rank's shard of its first arg, or this rank's empty outputs when that shard is empty (the
+    kernels of image and FFT ops refuse an empty batch or plane, which an uneven shard can be)."""
+    first = local_args[0]
+    if first.numel():
+        return op(*local_args, **local_kwargs)
+    empties = tuple(first.new_empty(s.local_shape_and_offset()[0], dtype=s.dtype) for s in output_specs)
+    return empties if len(empties) > 1 else empties[0]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -23,9 +23,9 @@ import functools
 import torch
 from torch._ops import OpOverload
 
-from ..placements import Shard, shards
-from .registry import LOCAL_SHAPE, LocalImpl, OpCall, Sharding, register
-from .tensor_ops import R, Row, expand, partials
+from ..placements import Shard
+from .registry import LOCAL_SHAPE, OpCall, Sharding, register
+from .tensor_ops import R, Row, expand, partials, skip_empty, skip_empty_shards
 
 LINEAR = ("sum", "avg")
 
@@ -56,22 +56,3 @@ def upsample_rule(call: OpCall) -> list[Sharding]:
     local_args = None if size_at is None else tuple(LOCAL_SHAPE if i == size_at else a for i, a in enumerate(call.args))
     run = functools.partial(skip_empty, call.op)
     return [skip_empty_shards(c, local_args, run) for c in expand(call, rows)]
-
-
-def skip_empty_shards(candidate: Sharding, local_args: tuple | None, run: LocalImpl) -> Sharding:
-    """A candidate with a sharded output runs with this rank's input_size (backward) and skips the
-    kernel on an empty shard."""
-    (output,) = candidate.outputs
-    if output is None or not any(shards(p) for p in output):
-        return candidate
-    return Sharding(candidate.inputs, candidate.outputs, local_args=local_args, local_impl=run)
-
-
-def skip_empty(
-    op: OpOverload, local_args: list, local_kwargs: dict, input_specs: tuple, output_specs: tuple
-) -> torch.Tensor:
-    """`op` on this rank's planes, or this rank's (empty) output when it holds none."""
-    first = local_args[0]
-    if first.numel() == 0:
-        return first.new_empty(output_specs[0].local_shape_and_offset()[0], dtype=output_specs[0].dtype)
-    return op(*local_args, **local_kwargs)
