@@ -100,8 +100,9 @@ class Optimizer:
     """AdamW epsilon."""
     weight_decay: float = 0.1
     """Decoupled weight decay (AdamW)."""
-    implementation: Literal["for-loop", "foreach", "fused"] = "foreach"
-    """AdamW kernel: "foreach" (default here: it keeps DTensor parameters sharded), "for-loop" or "fused"."""
+    implementation: Literal["for-loop", "foreach", "fused"] = "fused"
+    """AdamW kernel: "fused" (torchtitan's default: one kernel per step, DTensor parameters kept sharded),
+    "foreach" or "for-loop"."""
     early_step_in_backward: bool = False
     """Step each parameter in its backward hook: not implemented (false only)."""
 
