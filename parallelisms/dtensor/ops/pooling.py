@@ -5,7 +5,8 @@ padding, 1-D to 3-D, and their backward ops) on (*leading, *spatial) tensors: (N
 An output element reads a window of its own plane, so on one mesh dim:
 
     S(leading dim)    -> the same S      planes are independent (uneven shards too; indices are plane-local)
-    S(spatial)        -> gather to R     a window can cross shard edges
+    S(spatial)        -> gather to R     a window can cross shard edges (forward: gathered, not moved to a
+                                       leading dim, so outputs are placed as torch's DTensor places them)
     P(sum | avg)      -> the same P      avg pools are linear in their input, every backward in grad_output
     P(any)            -> the same P      edge padding only copies elements
     R                 -> R
@@ -62,4 +63,16 @@ def pooling_rule(call: OpCall) -> list[Sharding]:
             # backward: linear in grad_output, the input (read for its shape) replicated
             rows.append(Row({n: p if i == 0 else R for i, n in enumerate(names)}, (p,)))
     run = functools.partial(skip_empty, call.op)
-    return [skip_empty_shards(c, None, run) for c in expand(call, rows)]
+    candidates = expand(call, rows)
+    if not backward:  # a shard is kept or gathered, never moved to another dim: outputs placed as torch's are
+        candidates = [c for c in candidates if not _moves_a_shard(call, c)]
+    return [skip_empty_shards(c, None, run) for c in candidates]
+
+
+def _moves_a_shard(call: OpCall, candidate: Sharding) -> bool:
+    """Whether the candidate would move some input's shard to another dim (an all-to-all)."""
+    for spec, targets in zip(call.specs, candidate.inputs):
+        for current, target in zip(spec.placements, targets or ()):
+            if isinstance(current, Shard) and isinstance(target, Shard) and current.dim != target.dim:
+                return True
+    return False

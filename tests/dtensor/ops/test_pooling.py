@@ -62,3 +62,34 @@ def test_a_channel_shard_stays_sharded_without_collectives() -> None:
 
     placements, grad_placements, collectives = run_world(_channel_sharded, 2)[0]
     assert placements == grad_placements == (Shard(1),) and collectives == 0
+
+
+def _versus_torch() -> list[str]:
+    """Forward pools on our DTensor and torch's: the same placements out, no more collectives."""
+    from torch.distributed.tensor import distribute_tensor as torch_distribute
+
+    from parallelisms.dtensor import Partial, Replicate, Shard, distribute_tensor
+    from tests.dtensor.harness import get_torch_mesh, run_ours_and_torch, to_torch_placements
+
+    mesh, tmesh = get_mesh((2,)), get_torch_mesh((2,))
+    x = torch.randn(4, 6, 8, 8, generator=torch.Generator().manual_seed(0))
+    cases = {
+        "avg_pool2d": lambda a: F.avg_pool2d(a, 2),
+        "max_pool2d": lambda a: F.max_pool2d(a, 3, stride=2, padding=1),
+        "adaptive_avg_pool2d": lambda a: F.adaptive_avg_pool2d(a, (3, 2)),
+    }
+    differ = []
+    for name, fn in cases.items():
+        for placement in (Replicate(), Shard(0), Shard(1), Shard(2), Partial()):
+            ours_in = distribute_tensor(x, mesh, [placement])
+            theirs_in = torch_distribute(x, tmesh, to_torch_placements([placement]))
+            out, tout, ours, theirs = run_ours_and_torch(fn, [ours_in], [theirs_in])
+            same = tuple(to_torch_placements(out.placements)) == tuple(tout.placements)
+            if not same or ours.get_total_counts() > theirs.get_total_counts():
+                differ.append(f"{name} {placement}: {out.placements} {dict(ours.get_comm_counts())} vs "
+                              f"{tout.placements} {dict(theirs.get_comm_counts())}")  # fmt: skip
+    return differ
+
+
+def test_pools_place_and_communicate_as_torch_dtensor() -> None:
+    assert run_world(_versus_torch, 2)[0] == []

@@ -328,6 +328,9 @@ def _versus_torch(mesh_shape: tuple[int, ...]) -> list[str]:
         "sort": (lambda a: a.sort(0)[0], [x]),
         "flip": (lambda a: a.flip(1), [x]),
         "tril": (lambda a: a.tril(), [x]),
+        "slice_scatter": (lambda a, b: torch.slice_scatter(a, b, 1, 2, 6), [x, torch.randn(6, 4, generator=gen)]),
+        "median": (lambda a: a.median(1)[0], [x]),
+        "kthvalue": (lambda a: a.kthvalue(2, 0)[0], [x]),
     }
     choices = placement_choices(2, len(mesh_shape), partial=True)
     choices = choices if len(mesh_shape) == 1 else choices[::3]  # a spread sample of the 16 on (2, 2)
