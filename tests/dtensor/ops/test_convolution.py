@@ -71,3 +71,29 @@ def test_a_spatial_shard_stays_sharded_with_halo_exchanges_only(width: int, kern
     for placements, grad_placements, kinds in run_world(_spatial_shard, 4, width, kernel, padding):
         assert placements == grad_placements == (Shard(3),)
         assert not kinds & {"all_gather_into_tensor", "all_reduce", "reduce_scatter_tensor", "all_to_all_single"}, kinds
+
+
+def _two_spatial_shards() -> list[tuple]:
+    from parallelisms.dtensor import Replicate, Shard, distribute_tensor
+
+    mesh = get_mesh((2, 2))
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(2, 3, 7, 9, generator=gen, requires_grad=True), torch.randn(4, 3, 3, 5, generator=gen)
+    want = F.conv2d(x, w, padding=(1, 2), dilation=(2, 1))
+    want.sum().backward()
+    seen = []
+    for placements in ((Shard(2), Shard(3)), (Shard(3), Shard(2)), (Shard(0), Shard(3))):
+        dx = distribute_tensor(x.detach(), mesh, list(placements)).requires_grad_()
+        out = F.conv2d(dx, distribute_tensor(w, mesh, [Replicate(), Replicate()]), padding=(1, 2), dilation=(2, 1))
+        out.sum().backward()
+        torch.testing.assert_close(out.full_tensor(), want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(dx.grad.full_tensor(), x.grad, atol=1e-5, rtol=1e-5)
+        seen.append((placements, out.placements, dx.grad.placements))
+    return seen
+
+
+def test_height_and_width_sharded_on_two_mesh_dims_exchange_halos_and_corners() -> None:
+    """A (2, 2) mesh sharding height and width (dilated, asymmetric padding): the halos of both dims and the
+    corners between them arrive; output and input gradient keep both shards."""
+    for placements, out, grad in run_world(_two_spatial_shards, 4)[0]:
+        assert out == grad == placements
