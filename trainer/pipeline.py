@@ -268,8 +268,9 @@ def _clip_over_stages(pipeline: Pipeline, max_norm: float) -> torch.Tensor:
     """The gradient 2-norm over every stage's parameters (norms squared add up over the pp group), clipped.
     The last stage's copy of a tied weight is left out of the norm: one process counts that gradient once."""
     twins = {id(_tied_weight(p)) for p in pipeline.model.parts if tied_across_stages(p) and p.output is not None}
-    reduce_partial_grads([p for p in pipeline.model.parameters() if p.grad is not None])
-    grads = [p.grad for p in pipeline.model.parameters() if p.grad is not None and id(p) not in twins]
+    with_grads = [p for p in pipeline.model.parameters() if p.grad is not None]
+    reduce_partial_grads(with_grads)  # once, coalesced (partial_grads.py)
+    grads = [p.grad for p in with_grads if p.grad is not None and id(p) not in twins]
     local = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else torch.zeros(())
     if isinstance(local, DTensor):
         local = local.full_tensor()

@@ -2,10 +2,10 @@
 
 A replicated weight that reads a sharded activation gets a Partial gradient: under sequence parallelism the
 norms' weights (their backward sums over this rank's tokens only). Left Partial, every op that reads the
-gradient all-reduces it again: the gradient norm for clipping, then AdamW's foreach `lerp_` and `addcmul_`,
-three all-reduces per tensor per step, each a synchronization point. `reduce_partial_grads` makes them
-Replicate before clipping with one all-reduce per mesh dim for all of them together (their shards flattened
-into one buffer), so the optimizer step issues no collective.
+gradient all-reduces it again: the gradient norm for clipping, then each optimizer kernel that reads it
+(foreach AdamW's `lerp_` and `addcmul_`), several all-reduces per tensor per step, each a synchronization
+point. `reduce_partial_grads` makes them Replicate before clipping with one all-reduce per mesh dim for all of
+them together (their shards flattened into one buffer), so the optimizer step issues no collective.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from parallelisms.dtensor import DeviceMesh, DTensor, Partial, Replicate, collectives
+from parallelisms.dtensor.dtensor import local_tensor
 from parallelisms.dtensor.placements import Placement
 
 
@@ -33,13 +34,13 @@ def reduce_partial_grads(params: Iterable[nn.Parameter]) -> int:
     for (_, placements, _), members in groups.items():
         grads = [p.grad for p in members]
         mesh = grads[0].device_mesh  # type: ignore[union-attr]
-        flat = torch.cat([g._local_tensor.reshape(-1) for g in grads])  # type: ignore[union-attr]
+        flat = torch.cat([local_tensor(g).reshape(-1) for g in grads])  # type: ignore[arg-type]
         for m, placement in enumerate(placements):
             if isinstance(placement, Partial):
                 flat = collectives.all_reduce(flat, placement.reduce_op, mesh.get_group(m), mesh.size(m))
                 issued += 1
         reduced = tuple(Replicate() if isinstance(q, Partial) else q for q in placements)
-        for p, g, piece in zip(members, grads, flat.split([g._local_tensor.numel() for g in grads])):  # type: ignore[union-attr]
-            local = piece.view(g._local_tensor.shape)  # type: ignore[union-attr]
+        for p, g, piece in zip(members, grads, flat.split([local_tensor(g).numel() for g in grads])):  # type: ignore[arg-type]
+            local = piece.view(local_tensor(g).shape)  # type: ignore[arg-type]
             p.grad = DTensor.from_local(local, mesh, reduced, run_check=False, shape=g.shape, stride=g.stride())  # type: ignore[union-attr]
     return issued

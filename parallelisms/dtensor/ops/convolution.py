@@ -33,7 +33,7 @@ from torch.ops import aten
 from .. import collectives
 from ..placements import Partial, Shard, chunk_size_and_offset
 from ..spec import DTensorSpec
-from .registry import LocalImpl, OpCall, Sharding, register
+from .registry import BoundArgs, LocalImpl, OpCall, Sharding, register
 from .tensor_ops import R, Row, expand, partials
 
 P_SUM = Partial("sum")
@@ -109,17 +109,17 @@ def _with_halo_exchange(candidates: list[Sharding], op: OpOverload, local_impl: 
 def convolution_on_shards(op: OpOverload, local_args: list, local_kwargs: dict, input_specs, output_specs) -> object:
     """`op` itself, unless a shard it reads is empty (3 channels over 4 ranks), which the kernels refuse:
     then its result by arithmetic, as empty_shard_result says."""
-    b = _bind(op, local_args, local_kwargs)
+    b = BoundArgs(op, tuple(local_args), local_kwargs)
     if b["input"].numel() and b["weight"].numel():
         return op(*local_args, **local_kwargs)
     return empty_shard_result(b, [s.local_shape_and_offset()[0] if s is not None else None for s in output_specs])
 
 
-def empty_shard_result(b: dict, local_shapes: list) -> object:
+def empty_shard_result(b: BoundArgs, local_shapes: list) -> object:
     """The convolution of an empty input or weight shard: every product sum is empty, so the forward is the
     bias alone (zeros without one) and the backward's grad_input and grad_weight are zeros; grad_bias, which
     reads only grad_output, is its sum over every dim but channels."""
-    if "grad_output" not in b:
+    if b.get("grad_output") is None:  # the forward
         out = b["weight"].new_zeros(local_shapes[0])
         bias = b["bias"]
         return out if bias is None or out.numel() == 0 else out + bias.view(1, -1, *[1] * (out.ndim - 2))
@@ -229,7 +229,7 @@ def scatter_reads(grad_slab: torch.Tensor, local_shape: list[int], dim: int, pla
     return grad
 
 
-def _spatial_plans(spec: DTensorSpec, weight: torch.Tensor, b: dict) -> list[tuple[int, int, HaloPlan]]:
+def _spatial_plans(spec: DTensorSpec, weight: torch.Tensor, b: BoundArgs) -> list[tuple[int, int, HaloPlan]]:
     """(mesh dim, tensor dim, plan) of each spatial shard of the input `spec`."""
     coordinate = spec.mesh.get_coordinate()
     assert coordinate is not None, "a rank off the mesh runs no local convolution"
@@ -242,12 +242,7 @@ def _spatial_plans(spec: DTensorSpec, weight: torch.Tensor, b: dict) -> list[tup
     return plans
 
 
-def _bind(op, local_args: list, local_kwargs: dict) -> dict:
-    names = [a.name for a in op._schema.arguments]
-    return {**dict(zip(names, local_args)), **local_kwargs}
-
-
-def _unpadded(b: dict, plans: list) -> list[int]:
+def _unpadded(b: BoundArgs, plans: list) -> list[int]:
     padding = list(b["padding"])
     for _, d, _ in plans:
         padding[d - 2] = 0  # the slab carries its padding zeros
@@ -256,7 +251,7 @@ def _unpadded(b: dict, plans: list) -> list[int]:
 
 def spatial_convolution(local_args: list, local_kwargs: dict, input_specs, output_specs) -> object:
     """The forward on a spatial shard: gather the slab, convolve it unpadded along the sharded dims."""
-    b = _bind(aten.convolution.default, local_args, local_kwargs)
+    b = BoundArgs(aten.convolution.default, tuple(local_args), local_kwargs)
     x, weight = b["input"], b["weight"]
     plans = _spatial_plans(input_specs[0], weight, b)
     for m, d, plan in plans:
@@ -273,7 +268,7 @@ def spatial_convolution(local_args: list, local_kwargs: dict, input_specs, outpu
 def spatial_convolution_backward(local_args: list, local_kwargs: dict, input_specs, output_specs) -> tuple:
     """The backward on a spatial shard: the forward's slab again, the kernel's backward on it, and the slab's
     gradient scattered back to the ranks holding its positions."""
-    b = _bind(aten.convolution_backward.default, local_args, local_kwargs)
+    b = BoundArgs(aten.convolution_backward.default, tuple(local_args), local_kwargs)
     grad_out, x, weight, mask = b["grad_output"], b["input"], b["weight"], b["output_mask"]
     spec = input_specs[1]
     plans = _spatial_plans(spec, weight, b)

@@ -70,7 +70,8 @@ def pooling_rule(call: OpCall) -> list[Sharding]:
 
 
 def _moves_a_shard(call: OpCall, candidate: Sharding) -> bool:
-    """Whether the candidate would move some input's shard to another dim (an all-to-all)."""
+    """Whether the candidate would move some input's shard to another dim (an all-to-all). Not expand's
+    `reshard=False`, which also forbids reduce-scattering a Partial input to a shard, as torch's pools do."""
     for spec, targets in zip(call.specs, candidate.inputs):
         for current, target in zip(spec.placements, targets or ()):
             if isinstance(current, Shard) and isinstance(target, Shard) and current.dim != target.dim:
