@@ -4,6 +4,11 @@
 process each, fake ranks) and prints our prediction beside the published tok/s per GPU and peak memory.
 The efficiency constants are trainer.devices' (one per device, not fitted per row). torchtitan's peak
 memory is the CUDA allocator's (reserved, fragmentation and cache included); ours is live tensor bytes.
+
+The 405B rows run as published: torchtitan at the benchmark's commit (9dec370, 2024-12) split the local
+batch into as many microbatches as the pipeline has stages when `pipeline_parallel_microbatches` was not
+set (its benchmark sets none): 8 microbatches of 4 sequences under 1F1B (8 stages), 16 of 2 under
+Interleaved1F1B (2 stages per rank, its default split for looped schedules).
 """
 
 from __future__ import annotations
@@ -43,12 +48,14 @@ ROWS = (
     Row("405B FSDP 8 x TP 8 x PP 8, 1F1B, lbs 32, full AC", "llama3_405b", 512,
         ("--parallelism.data_parallel_shard_degree", "8", "--parallelism.tensor_parallel_degree", "8",
          "--parallelism.pipeline_parallel_degree", "8", "--parallelism.pipeline_parallel_schedule", "1F1B",
-         "--training.local_batch_size", "32", "--activation_checkpoint.mode", "full"),
+         "--training.local_batch_size", "32", "--parallelism.pipeline_parallel_microbatch_size", "4",
+         "--activation_checkpoint.mode", "full"),
         100, 82.5, "published with compile + float8; needs PP"),
     Row("405B FSDP 8 x TP 8 x PP 8, Interleaved 1F1B, lbs 32, full AC", "llama3_405b", 512,
         ("--parallelism.data_parallel_shard_degree", "8", "--parallelism.tensor_parallel_degree", "8",
          "--parallelism.pipeline_parallel_degree", "8", "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
-         "--training.local_batch_size", "32", "--activation_checkpoint.mode", "full"),
+         "--training.local_batch_size", "32", "--parallelism.pipeline_parallel_microbatch_size", "2",
+         "--activation_checkpoint.mode", "full"),
         128, 72.7, "published with compile + float8; needs PP"),
 )  # fmt: skip
 

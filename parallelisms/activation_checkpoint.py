@@ -3,9 +3,10 @@
 Modes:
     "none"       keep every activation.
     "full"       keep only each block's input; recompute the whole block in backward.
-    "selective"  with option "op": op-level selective checkpointing: keep the outputs of matmuls and
-                 attention (the expensive ops), recompute the cheap pointwise / norm ops in backward;
-                 with an int N: full checkpointing of every N-th block (torchtitan's layer SAC).
+    "selective"  with option "op": op-level selective checkpointing, torchtitan's policy: keep the outputs
+                 of attention, `max` and every other matmul of a block (the 1st, 3rd, ...), recompute the
+                 rest (the other matmuls, pointwise and norm ops) in backward; with an int N: full
+                 checkpointing of every N-th block (torchtitan's layer SAC).
 
 Blocks are checkpointed by replacing their `forward` on the instance, not by wrapping them in a
 new module, so parameter names (and so checkpoints and plans keyed by them) do not change.
@@ -15,7 +16,6 @@ checkpointed region, and the recomputation runs while the block's parameters are
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Literal
 
 import torch
@@ -30,13 +30,15 @@ ACMode = Literal["none", "full", "selective"]
 AC_MODES = ("none", "full", "selective")
 
 aten = torch.ops.aten
-# ops whose outputs selective checkpointing keeps (their recomputation would cost the most)
-_SAVE_OPS = frozenset(
+# ops whose outputs selective checkpointing keeps (their recomputation would cost the most), as torchtitan's
+# default save list (torch's compute-intensive ops, attention, and `max`, which float8 scaling reads)
+_MATMULS = frozenset((aten.mm.default, aten.linear.default))
+_SAVE_OPS = _MATMULS | frozenset(
     getattr(aten, name).default
     for name in (
-        "mm",
         "addmm",
         "bmm",
+        "max",
         "_scaled_dot_product_flash_attention",
         "_scaled_dot_product_efficient_attention",
         "_scaled_dot_product_cudnn_attention",
@@ -78,9 +80,7 @@ def checkpoint_module(module: nn.Module, *, selective: bool = False, early_stop:
     forward = module.forward
     # full AC passes no context_fn: torch.compile (torch 2.13) traces a checkpoint only when its
     # context_fn is absent or a constant partial; an explicit noop_context_fn fails to trace
-    options: dict[str, Any] = (
-        {"context_fn": functools.partial(create_selective_checkpoint_contexts, _save_matmuls)} if selective else {}
-    )
+    options: dict[str, Any] = {"context_fn": _every_other_matmul_contexts} if selective else {}
     if not early_stop:  # torch's default is True: pass it only when it differs, as compile traces the default
         options["early_stop"] = False
 
@@ -92,5 +92,18 @@ def checkpoint_module(module: nn.Module, *, selective: bool = False, early_stop:
     return module
 
 
-def _save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+def _every_other_matmul_contexts() -> tuple[Any, Any]:
+    """The contexts of one checkpointed call (forward and its recomputation): `_SAVE_OPS` are kept but every
+    second matmul is recomputed, counted per call separately in the forward and in the recomputation, so
+    both make the same choice for the same matmul. Halves the matmul activations (a block's largest) for
+    the price of recomputing about a third of its matmul FLOPs; torchtitan's selective "op" policy."""
+    counts = {False: 0, True: 0}  # matmuls seen, by ctx.is_recompute
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if op in _MATMULS:
+            counts[ctx.is_recompute] += 1
+            if counts[ctx.is_recompute] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)

@@ -356,6 +356,7 @@ class StepPosition:
         self._handles = [
             register_module_forward_pre_hook(lambda m, _: self._enter(names.get(id(m)))),
             optimizer.register_step_pre_hook(lambda *_: setattr(self, "stepping", True)),
+            optimizer.register_step_post_hook(lambda *_: setattr(self, "stepping", False)),
         ]
         for model in models:  # a pipeline rank's parts, or the one model
             for name, block in model.layers.items():  # type: ignore[union-attr, operator]
