@@ -106,6 +106,7 @@ class Estimate:
                     "ranks": list(r.ranks),
                     "memory_bytes": r.trace.memory.as_dict(),
                     "peak_where": r.trace.memory.peak_where,
+                    "reserved_bytes": r.trace.memory.reserved,
                     "steady_bytes": r.trace.memory.steady,
                     "collectives": [dataclasses.asdict(c) for c in r.trace.collectives],
                     "executed_flops_per_step": r.trace.executed_flops,
@@ -210,7 +211,9 @@ def _role_lines(e: Estimate, role: Role, *, margin: float, named: bool) -> list[
     budget = e.device.memory_bytes * (1 - margin)
     verdict = "fits" if m.peak <= budget else "does NOT fit"
     lines.append(f"  {'peak':<17}{_gib(m.peak)}  of {e.device.memory_bytes / GIB:.1f} GiB: {verdict} "
-                 f"with a {margin:.0%} margin (tensor bytes; the allocator's cache comes on top)")  # fmt: skip
+                 f"with a {margin:.0%} margin (tensor bytes)")  # fmt: skip
+    lines.append(f"  {'reserved':<17}{_gib(m.reserved)}  (the CUDA caching allocator's peak for these allocations: "
+                 "what torch reports)")  # fmt: skip
     lines.append("  steady (after the step): " + ", ".join(f"{k} {v / GIB:.2f} GiB" for k, v in m.steady.items()))
     lines.append(f"{title}collectives per rank per step:")
     lines.append(f"  {'kind':<24}{'mesh dim':<14}{'count':>7}{'bytes':>16}{'seconds':>10}  link")

@@ -33,6 +33,8 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop, sdpa_flo
 
 from parallelisms.dtensor.debug import _COLLECTIVES, _defers_to_subclass
 
+from .estimate_allocator import CachingAllocator
+
 CATEGORIES = (
     "params", "grads", "optimizer", "params_unsharded", "activations", "comm_buffers", "temporaries",
 )  # fmt: skip
@@ -54,12 +56,14 @@ FLOP_FORMULAS: dict[Any, Callable[..., int]] = {
 
 @dataclass(frozen=True)
 class MemoryReport:
-    """Bytes per category at the peak, the peak and where it happened, and the end-of-step bytes."""
+    """Bytes per category at the peak, the peak and where it happened, the end-of-step bytes, and the peak the
+    CUDA caching allocator reserves for the same allocations (`estimate_allocator`; what torch reports)."""
 
     at_peak: dict[str, int]
     peak: int
     peak_where: str
     steady: dict[str, int]  # what outlives the step: params, grads (until zero_grad), optimizer state
+    reserved: int
 
     def as_dict(self) -> dict[str, int]:
         """DESIGN.md §7's memory_bytes: the categories at the peak (unsharded params count as params in flight
@@ -85,6 +89,7 @@ class LiveBytes(TorchDispatchMode):
         self._comm: set[int] = set()  # serials a collective read or wrote
         self._saved: set[int] = set()  # serials autograd saved for backward
         self._resized: set[int] = set()  # serials resized in place (FSDP's unsharded parameters)
+        self.allocator = CachingAllocator()  # the same allocations and frees, by serial
 
     # ------------------------------------------------------------------------------ accounting
     def track(self, t: torch.Tensor) -> int:
@@ -98,6 +103,7 @@ class LiveBytes(TorchDispatchMode):
         nbytes = storage.nbytes()
         self.live[key] = (self._serial, nbytes, self.stage())
         weakref.finalize(storage, self._free, key, self._serial)
+        self.allocator.malloc(self._serial, nbytes)
         self._grow(nbytes)
         return self._serial
 
@@ -114,6 +120,7 @@ class LiveBytes(TorchDispatchMode):
         if entry is None or entry[0] != serial:
             return
         self._grow(-entry[1])
+        self.allocator.free(serial)
         del self.live[key]
 
     def resized(self, storage: torch.UntypedStorage) -> None:
@@ -127,11 +134,14 @@ class LiveBytes(TorchDispatchMode):
         if delta < 0 and self._dirty:
             self._snapshot, self._dirty = dict(self.live), False
         self.live[key] = (entry[0], entry[1] + delta, entry[2])
+        self.allocator.free(entry[0])  # a resize is a new block (FSDP frees with resize_(0), refills after)
+        self.allocator.malloc(entry[0], storage.nbytes())
         self._grow(delta)
 
     def reset_peak(self) -> None:
         """Start measuring the peak here (after setup: initialization's temporaries are not the step's)."""
         self.peak, self.peak_where, self._dirty = self.total, self.where(), True
+        self.allocator.peak_reserved = self.allocator.reserved  # the segments cached by setup stay reserved
 
     def saved(self, t: Any) -> Any:
         """saved_tensors_hooks' pack: the storage becomes an activation."""
@@ -179,7 +189,8 @@ class LiveBytes(TorchDispatchMode):
             role = roles.get(serial)
             if role is not None:
                 steady[role] += nbytes
-        return MemoryReport(at_peak=at_peak, peak=self.peak, peak_where=self.peak_where, steady=steady)
+        return MemoryReport(at_peak=at_peak, peak=self.peak, peak_where=self.peak_where, steady=steady,
+                            reserved=self.allocator.peak_reserved)  # fmt: skip
 
     def _category(self, serial: int, stage: str, roles: dict[int, str]) -> str:
         """Activations: saved for backward, or made in the forward and still alive (activation checkpointing

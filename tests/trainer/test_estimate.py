@@ -133,7 +133,8 @@ def real_step(overrides: list[str]) -> dict[str, Any]:
     runtime = build_runtime(cfg, dims, dims.build_mesh("cpu"), torch.device("cpu"))
     trace = (trace_pipeline_step if dims.pp_enabled else trace_step)(cfg, runtime, fake=False)
     return {
-        "peak": trace.memory.peak, "counts": trace.comm_counts, "bytes": trace.comm_bytes,
+        "peak": trace.memory.peak, "reserved": trace.memory.reserved, "counts": trace.comm_counts,
+        "bytes": trace.comm_bytes,
         "collectives": sorted((c.kind, c.mesh_dim, c.count, c.bytes) for c in trace.collectives),
     }  # fmt: skip
 
@@ -153,8 +154,13 @@ def test_estimated_peak_and_collectives_match_a_real_gloo_run(layout: str) -> No
         real = reals[role["ranks"][0]]
         peak = role["memory_bytes"]["peak"]
         print(f"{layout} {role['role']}: estimated peak {peak:,} B, measured {real['peak']:,} B "
-              f"({peak / real['peak'] - 1:+.2%})")  # fmt: skip
+              f"({peak / real['peak'] - 1:+.2%}); reserved {role['reserved_bytes']:,} B, "
+              f"measured {real['reserved']:,} B")  # fmt: skip
         assert abs(peak - real["peak"]) <= 0.10 * real["peak"]
+        # the allocator model replayed on the real run's allocations: the estimate's (sampled blocks, the
+        # cache over the live peak carried over) is within 10% of it and never under its own live peak
+        reserved = role["reserved_bytes"]
+        assert peak <= reserved and abs(reserved - real["reserved"]) <= 0.10 * real["reserved"], (reserved, real)
         estimated = sorted((c["kind"], c["mesh_dim"], c["count"], c["bytes"]) for c in role["collectives"])
         assert estimated == real["collectives"]
         by_kind: dict[str, list[int]] = {}
