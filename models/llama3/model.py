@@ -1,5 +1,5 @@
-"""Llama 3 on one device: RMSNorm, RoPE, grouped-query attention, SwiGLU (imports only torch and split_causal.py,
-which imports only torch).
+"""Llama 3 on one device: RMSNorm, RoPE, grouped-query attention, SwiGLU (imports only torch, split_causal.py and
+rms_norm.py, which import only torch).
 
 Parallelism is applied from outside (parallelize.py). To let tensor-parallel sharding of the
 projections work unchanged, attention never uses the configured head counts to reshape: it infers
@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .args import RoPEScalingArgs, TransformerModelArgs
+from .rms_norm import RMSNorm
 from .split_causal import split_causal_attention, splits_causal_square
 
 
@@ -141,8 +142,8 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.attention = Attention(args)
         self.feed_forward = FeedForward(args.dim, 4 * args.dim, args.multiple_of, args.ffn_dim_multiplier)
-        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
         # residual-branch outputs scaled down with depth (GPT-2 / torchtitan's depth_init)
         layers = layer_id + 1 if args.depth_init else args.n_layers
         self.weight_init_std = 0.02 / (2 * layers) ** 0.5
@@ -169,7 +170,7 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         # a ModuleDict keyed "0".."n-1" keeps FQNs stable when blocks are removed (pipeline stages)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
-        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)  # tied by init_weights when args say so
         # derived from args, so not saved in checkpoints
         self.register_buffer("freqs_cis", self._precompute_freqs_cis(), persistent=False)
