@@ -1,7 +1,8 @@
 """The dry-run estimator against torchtitan's published H100 figures (issue 21).
 
-`python bench/estimate_vs_published.py` runs `python -m trainer.estimate --json` once per row (one CPU
-process each, fake ranks) and prints our prediction beside the published tok/s per GPU and peak memory.
+`python bench/estimate_vs_published.py [--every_block]` runs `python -m trainer.estimate --json` once per row
+(one CPU process each, fake ranks) and prints our prediction beside the published tok/s per GPU and peak
+memory; `--every_block` passes the estimator's flag of that name (every block traced, not two samples).
 The efficiency constants are trainer.devices' (one per device, not fitted per row). torchtitan's peak
 memory is the CUDA allocator's (reserved, fragmentation and cache included), so it is compared with our
 reserved peak: the step's allocations replayed through a model of that allocator (trainer.estimate_allocator);
@@ -62,12 +63,13 @@ ROWS = (
 )  # fmt: skip
 
 
-def predict(row: Row) -> tuple[dict | None, str, float]:
+def predict(row: Row, *, every_block: bool) -> tuple[dict | None, str, float]:
     """The estimator's JSON for the row (None and its one-line refusal when it refuses), and the seconds it took."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     command = [
         sys.executable, "-m", "trainer.estimate", "--job.config_file", str(REPO / "configs" / f"{row.config}.toml"),
         "--model.tokenizer_path", "", *row.overrides, "--world_size", str(row.world_size), "--device", "h100", "--json",
+        *(["--every_block"] if every_block else []),
     ]  # fmt: skip
     start = time.perf_counter()
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
@@ -78,12 +80,13 @@ def predict(row: Row) -> tuple[dict | None, str, float]:
 
 
 def main() -> int:
+    every_block = "--every_block" in sys.argv[1:]  # the estimator's slower, closer reserved peak
     columns = ("row", "published tok/s", "predicted tok/s", "ratio", "published GiB", "reserved GiB", "ratio",
                "live GiB", "mfu", "est s", "note")  # fmt: skip
     print("| " + " | ".join(columns) + " |")
     print("|" + "---|" * len(columns))
     for row in ROWS:
-        report, refusal, seconds = predict(row)
+        report, refusal, seconds = predict(row, every_block=every_block)
         if report is None:
             mem = f"{row.memory_gib}" if row.memory_gib else "-"
             print(f"| {row.name} | {row.tokens_per_s:,.0f} | refused | - | {mem} | - | - | - | - | {seconds:.0f} | "

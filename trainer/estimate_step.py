@@ -492,24 +492,24 @@ def _with_microbatches(cfg: JobConfig, m: int, dp: int) -> JobConfig:
     return dataclasses.replace(cfg, training=scaled)
 
 
-def trace_step_sampled(cfg: JobConfig, runtime: Runtime, *, fake: bool = True) -> StepTrace:
+def trace_step_sampled(cfg: JobConfig, runtime: Runtime, *, fake: bool = True, every_block: bool = False) -> StepTrace:
     """`trace_step` of the whole model from two short traces (SAMPLED_LAYERS blocks), extrapolated: a 126-block
     model costs what a 4-block one does. Falls back to the whole model when it has no more blocks than that.
     Under PP each stage of this rank is traced with 1 and then 2 blocks, extrapolated to its real blocks (a
     405B stage of 16 blocks costs what a 2-block one does), each at two smaller microbatch counts
-    (`_sampled_microbatches`)."""
+    (`_sampled_microbatches`). `every_block` traces every block (microbatches still sampled)."""
     if runtime.parallel_dims.pp_enabled:
         split, pp = _stage_split(cfg), runtime.parallel_dims.pp
         rank = runtime.world_mesh["pp"].get_local_rank()
         mapping = stage_to_rank(pp, len(split) // pp, schedule_spec(cfg).placement)
         mine = [s for s, r in mapping.items() if r == rank]
         blocks = sum(sum(f.startswith("layers.") for f in split[s]) for s in mine)
-        if blocks <= 2 * len(mine):
+        if every_block or blocks <= 2 * len(mine):
             return _sampled_microbatches(cfg, runtime, lambda c: trace_pipeline_step(c, runtime, fake=fake))
         return _sampled_microbatches(cfg, runtime, lambda c: _sampled_blocks(c, runtime, fake, blocks))
     n_layers = llama3_configs[cfg.model.flavor].n_layers
     k1, k2 = SAMPLED_LAYERS
-    if n_layers <= k2:
+    if every_block or n_layers <= k2:
         return trace_step(cfg, runtime, fake=fake)
     small = trace_step(cfg, runtime, fake=fake, layers=k1)
     large = trace_step(cfg, runtime, fake=fake, layers=k2)
