@@ -254,6 +254,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.world_size < 1:
             raise ValueError(f"--world_size {args.world_size}: expected a positive number of ranks")
         cfg = load_config(overrides)
+        if args.search and args.every_block:
+            raise ValueError(
+                "--every_block is for one estimate; --search traces its hundreds of candidates from samples: "
+                "drop one of them, or estimate the layout --search picks with --every_block"
+            )
         if args.search:
             from .estimate_search import format_candidates, search
 

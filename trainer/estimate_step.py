@@ -404,7 +404,7 @@ def _affine_trace(small: StepTrace, large: StepTrace, k1: int, k2: int, n: int) 
     # the allocator's cache over the live peak is taken from `large` (it barely moves between samples: 8B FSDP 8
     # 6.78 GiB at 2 blocks, 6.80 at 4), not put on a line, which can fall under the live peak (70B FSDP 32 x TP 8:
     # 50.6 GiB reserved for 57.8 live). Whole-model traces cache more, as fragmentation grows with the blocks
-    # (reserved 8B 78.7 GiB against 74.6 so, 70B 72.6 / 68.2, a 405B PP stage 76.0 / 69.4): this reads 5-9% low
+    # (reserved, whole / sampled: 8B 78.7 / 74.6 GiB, 70B 72.6 / 68.2, a 405B PP stage 76.0 / 69.4): 5-9% low
     cache = large.memory.reserved - large.memory.peak
     memory = MemoryReport(at_peak=at_peak, peak=peak, peak_where=large.memory.peak_where,
                           steady=line(small.memory.steady, large.memory.steady), reserved=peak + cache)  # fmt: skip

@@ -206,6 +206,8 @@ def test_degrees_that_do_not_multiply_to_the_world_and_unknown_devices_fail_with
     assert "8" in done.stderr and "3" in done.stderr
     done = run_estimate("--world_size", "8", "--device", "tpu")
     assert done.returncode == 2 and "expected one of" in done.stderr
+    done = run_estimate("--world_size", "2", "--device", "h100", "--search", "--every_block")
+    assert done.returncode == 2 and "--every_block is for one estimate" in done.stderr
 
 
 def test_search_ranks_fitting_layouts_best_first_with_their_overrides() -> None:
