@@ -198,6 +198,9 @@ def test_json_has_every_key_of_the_contract() -> None:
     assert report["layout"] == {"dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 2, "pp": 1}
     assert {c["mesh_dim"] for c in rank["collectives"]} >= {"dp_shard", "tp"}
     assert report["step_time_s"] > 0 and 0 < report["mfu"] < 1
+    # the peak is in the step's backward, not the optimizer step that made the AdamW state before it (whose
+    # hook once left every later allocation labelled "optimizer step" and out of the activations)
+    assert rank["peak_where"].startswith("backward") and rank["memory_bytes"]["activations"] > 0, rank["peak_where"]
 
 
 def test_degrees_that_do_not_multiply_to_the_world_and_unknown_devices_fail_with_the_arithmetic() -> None:
