@@ -16,6 +16,7 @@ Interleaved1F1B (2 stages per rank, its default split for looped schedules).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -80,7 +81,9 @@ def predict(row: Row, *, every_block: bool) -> tuple[dict | None, str, float]:
 
 
 def main() -> int:
-    every_block = "--every_block" in sys.argv[1:]  # the estimator's slower, closer reserved peak
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--every_block", action="store_true", help="the estimator's slower, closer reserved peak")
+    every_block = parser.parse_args().every_block
     columns = ("row", "published tok/s", "predicted tok/s", "ratio", "published GiB", "reserved GiB", "ratio",
                "live GiB", "mfu", "est s", "note")  # fmt: skip
     print("| " + " | ".join(columns) + " |")

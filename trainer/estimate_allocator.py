@@ -71,6 +71,10 @@ class CachingAllocator:
         }
         self._allocated: dict[int, _Block] = {}
 
+    def reset_peak(self) -> None:
+        """Measure the peak from here; the segments reserved so far stay reserved (cached)."""
+        self.peak_reserved = self.reserved
+
     def malloc(self, key: int, nbytes: int) -> None:
         if nbytes <= 0:  # CUDA's allocator hands out no memory for an empty tensor
             return

@@ -141,7 +141,7 @@ class LiveBytes(TorchDispatchMode):
     def reset_peak(self) -> None:
         """Start measuring the peak here (after setup: initialization's temporaries are not the step's)."""
         self.peak, self.peak_where, self._dirty = self.total, self.where(), True
-        self.allocator.peak_reserved = self.allocator.reserved  # the segments cached by setup stay reserved
+        self.allocator.reset_peak()  # the segments setup cached stay reserved
 
     def saved(self, t: Any) -> Any:
         """saved_tensors_hooks' pack: the storage becomes an activation."""
