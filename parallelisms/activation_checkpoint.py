@@ -32,7 +32,8 @@ AC_MODES = ("none", "full", "selective")
 aten = torch.ops.aten
 # ops whose outputs selective checkpointing keeps (their recomputation would cost the most), as torchtitan's
 # default save list (torch's compute-intensive ops, attention, and `max`, which float8 scaling reads)
-_MATMULS = frozenset((aten.mm.default, aten.linear.default))
+# float8 linears (models.float8) multiply with `_scaled_mm`: torchao's subclass shows the policy an `mm` there
+_MATMULS = frozenset((aten.mm.default, aten.linear.default, aten._scaled_mm.default))
 _SAVE_OPS = _MATMULS | frozenset(
     getattr(aten, name).default
     for name in (

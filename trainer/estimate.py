@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from models.llama3.parallelize import compile_supported
 from parallelisms.parallel_dims import ParallelDims
 
 from .config import load_config
@@ -110,6 +111,7 @@ class Estimate:
                     "steady_bytes": r.trace.memory.steady,
                     "collectives": [dataclasses.asdict(c) for c in r.trace.collectives],
                     "executed_flops_per_step": r.trace.executed_flops,
+                    "float8_flops_per_step": r.trace.float8_flops,
                     "step_time_s": r.time.step_s,
                 }
                 for r in self.roles
@@ -156,6 +158,11 @@ def estimate(
     """One layout: the config's degrees on `world_size` ranks of `device` (NGPU per node unless `nodes_of`);
     `every_block`: trace every block instead of two samples (`trace_step_sampled`)."""
     check_config(cfg, world_size)
+    if cfg.model.converters and not device.float8_tflops:
+        raise ValueError(
+            f"model.converters={cfg.model.converters} on --device {device.name}: it has no float8 tensor cores "
+            f"(sm_89 or newer needed); set model.converters=[] or pick h100, h200 or b200"
+        )
     dims = build_parallel_dims(cfg.parallelism, world_size)
     stretch = 1.0
     if dims.pp_enabled:
@@ -172,7 +179,8 @@ def estimate(
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # fake tensors' data_ptr deprecation, from code that caches by pointer
             trace = trace_step_sampled(cfg, runtime, every_block=every_block)
-        time = price_step(trace, dims, device, nodes_of or gpus_per_node(), pipeline_stretch=stretch)
+        compiled = cfg.compile.enable and "model" in cfg.compile.components and compile_supported(dims)
+        time = price_step(trace, dims, device, nodes_of or gpus_per_node(), pipeline_stretch=stretch, compiled=compiled)
         roles.append(Role(name, ranks, trace, time))
     return Estimate(
         world_size, device, dims, tuple(roles), cfg.activation_checkpoint.mode, cfg.training.local_batch_size
@@ -196,12 +204,14 @@ def format_table(e: Estimate, cfg: JobConfig, *, margin: float) -> str:
     t = e.time
     model = e.trace.flops_per_token * e.trace.local_tokens / d.non_data_parallel_size
     executed = e.trace.executed_flops / 1e12
+    float8 = f", {e.trace.float8_flops / 1e12:,.1f} of them in float8" if e.trace.float8_flops else ""
     lines.append(f"flops per device per step: model {model / 1e12:,.1f} TFLOP, executed {executed:,.1f} TFLOP "
-                 f"(recomputation included{'; the slowest stage' if d.pp_enabled else ''})")  # fmt: skip
+                 f"(recomputation included{float8}{'; the slowest stage' if d.pp_enabled else ''})")  # fmt: skip
     exposed = ", ".join(f"{k} {v:.3f}s" for k, v in t.exposed_s.items()) or "none"
     bubble = f" + pipeline bubble {t.bubble_s:.3f}s" if d.pp_enabled else ""
+    peaks = f"{e.device.peak_tflops:g}" + (f" / float8 {e.device.float8_tflops:g}" if e.trace.float8_flops else "")
     lines.append(f"step time {t.step_s:.3f}s = compute {t.compute_s:.3f}s (at {e.device.efficiency:.0%} of "
-                 f"{e.device.peak_tflops:g} TFLOPS){bubble} + exposed comm ({exposed})")  # fmt: skip
+                 f"{peaks} TFLOPS){bubble} + exposed comm ({exposed})")  # fmt: skip
     lines.append(f"tok/s per device {e.tokens_per_s_per_device:,.0f} | mfu {e.mfu:.1%}")
     return "\n".join(lines)
 

@@ -47,6 +47,7 @@ _Entry = tuple[int, int, str]
 
 # torch's flop formulas, plus the CPU flash attention (the formulas are the same as the GPU kernels')
 _aten = torch.ops.aten
+FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 FLOP_FORMULAS: dict[Any, Callable[..., int]] = {
     **flop_registry,
     _aten._scaled_dot_product_flash_attention_for_cpu: sdpa_flop,
@@ -83,6 +84,8 @@ class LiveBytes(TorchDispatchMode):
         self.where: Callable[[], str] = lambda: "setup"  # names where the step is, asked at each new peak
         self.stage: Callable[[], str] = lambda: "setup"  # "forward", "backward", "optimizer": asked per storage
         self.flops = 0
+        self.float8_flops = 0  # the part of `flops` in float8 matmuls (priced at the float8 peak)
+        self.float8_casts = 0  # elements cast to float8 (models.float8), priced as memory traffic
         self._serial = 0
         self._dirty = False  # a new peak whose storages are not snapshot yet
         self._snapshot: dict[int, _Entry] = {}
@@ -159,7 +162,12 @@ class LiveBytes(TorchDispatchMode):
         formula = FLOP_FORMULAS.get(packet)
         first = next((t for t in tree_leaves(out) if isinstance(t, torch.Tensor)), None)
         if formula is not None and first is not None and first.device.type != "meta":  # meta: shape propagation
-            self.flops += int(formula(*args, **kwargs, out_val=out))
+            flops = int(formula(*args, **kwargs, out_val=out))
+            self.flops += flops
+            if packet is _aten._scaled_mm:
+                self.float8_flops += flops
+        elif packet is _aten._to_copy and kwargs.get("dtype") in FLOAT8_DTYPES and isinstance(out, torch.Tensor):
+            self.float8_casts += out.numel()
         is_comm = packet in _COLLECTIVES
         for t in tree_leaves((out, args) if is_comm else out):
             if isinstance(t, torch.Tensor) and not _defers_to_subclass(type(t)) and t.device.type != "meta":

@@ -72,6 +72,8 @@ class StepTrace:
     flops_per_token: float  # model FLOPs per token (trainer.metrics.flops_per_token)
     local_tokens: int  # tokens this rank's data-parallel group consumed in the step
     n_layers: int
+    float8_flops: int = 0  # the part of executed_flops in float8 matmuls (model.converters = ["float8"])
+    float8_casts: int = 0  # elements cast to float8 in the step (each one a pass over memory)
 
 
 def _kind(key: Any) -> str:
@@ -275,7 +277,7 @@ def _measured_step(
     _create_optimizer_state(model, optimizer)
     live.where, live.stage = position.where, position.stage
     live.reset_peak()
-    live.flops = 0
+    live.flops = live.float8_flops = live.float8_casts = 0
     local = runtime.shard_sequences(micro)
     with comm:
         step(local, global_target_count([y for _, y in local], runtime.dp_cp_mesh))
@@ -288,8 +290,8 @@ def _measured_step(
         memory=memory, collectives=comm.collectives(),
         comm_counts={_kind(k): v for k, v in comm.get_comm_counts().items()},
         comm_bytes={_kind(k): v for k, v in comm.get_comm_bytes().items()},
-        executed_flops=live.flops, flops_per_token=fpt, local_tokens=sum(x.numel() for x, _ in micro),
-        n_layers=n_layers,
+        executed_flops=live.flops, float8_flops=live.float8_flops, float8_casts=live.float8_casts,
+        flops_per_token=fpt, local_tokens=sum(x.numel() for x, _ in micro), n_layers=n_layers,
     )  # fmt: skip
 
 
@@ -418,6 +420,8 @@ def _affine_trace(small: StepTrace, large: StepTrace, k1: int, k2: int, n: int) 
         large, memory=memory, collectives=collectives, comm_counts=line(small.comm_counts, large.comm_counts),
         comm_bytes=line(small.comm_bytes, large.comm_bytes),
         executed_flops=_affine(small.executed_flops, large.executed_flops, k1, k2, n),
+        float8_flops=_affine(small.float8_flops, large.float8_flops, k1, k2, n),
+        float8_casts=_affine(small.float8_casts, large.float8_casts, k1, k2, n),
         local_tokens=_affine(small.local_tokens, large.local_tokens, k1, k2, n),
     )  # fmt: skip
 

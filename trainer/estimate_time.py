@@ -1,13 +1,21 @@
 """The step-time model: compute at the device's efficiency plus the exposed part of each mesh dim's traffic.
 
     step_s  = compute_s + sum over mesh dims of exposed_s(dim)
-    compute_s = executed FLOPs of the rank / (peak x efficiency)                       (trainer.devices)
+    compute_s = (executed FLOPs - float8 FLOPs) / (peak x efficiency)                 (trainer.devices)
+              + float8 FLOPs / (float8 peak x efficiency)         (model.converters = ["float8"])
     comm_s(dim) = sum over its collectives of count x α + bytes sent / β               (α–β, as dtensor.cost)
 
 β and α are the device's NVLink figures when every group of the dim lies inside one node (NGPU ranks in a
 row, the mesh order pp, dp_replicate, dp_shard, cp, tp putting tp innermost), else its network's. Bytes
 sent per rank follow the ring volumes of parallelisms.dtensor.redistribute.RING_VOLUME, from the payload the
 rank hands the collective (an all-gather's payload is its shard, so it sends (n-1) x payload).
+
+float8 (models.float8): its matmuls' FLOPs run at the float8 peak, and every element cast to float8 costs
+memory traffic at the HBM bandwidth, FLOAT8_CAST_BYTES per element: eager, the cast is a chain of kernels
+(the amax: abs, max; the cast: to float32, x scale, clamp, to float8: 6 + 23 bytes per bf16 element, and 23
+where the backward casts again with the forward's scale: 3 of a linear's 5 casts take an amax, 26.6 bytes
+on average); compiled (torch.compile fuses each into a read for the amax and a read and a write for the
+cast) 5 bytes.
 
 Pipeline parallelism: each role (first and last stage) is traced on its own rank; the step takes the
 schedule's makespan, simulated (parallelisms.pipeline_parallel.simulate) with the forward one unit and the
@@ -33,6 +41,7 @@ from parallelisms.pipeline_parallel import Costs, ScheduleSpec, simulate
 from .devices import Device
 from .estimate_step import Collective, StepTrace
 
+FLOAT8_CAST_BYTES = {"eager": 26.6, "compiled": 5.0}  # per element cast (module docstring)
 OVERLAPPED = frozenset({"dp_replicate", "dp_shard", *FLATTENED})  # data-parallel dims: hidden behind compute
 
 
@@ -87,11 +96,22 @@ def collective_seconds(c: Collective, dims: ParallelDims, device: Device, gpus_p
 
 
 def price_step(
-    trace: StepTrace, dims: ParallelDims, device: Device, gpus_per_node: int, *, pipeline_stretch: float = 1.0
+    trace: StepTrace,
+    dims: ParallelDims,
+    device: Device,
+    gpus_per_node: int,
+    *,
+    pipeline_stretch: float = 1.0,
+    compiled: bool = False,
 ) -> StepTime:
     """The step time of `trace` on `device` (see the module docstring). `pipeline_stretch`: the schedule's
-    makespan over one rank's busy time (`pipeline_stretch`); the rest of it is the rank's bubble."""
-    compute_s = trace.executed_flops / (device.peak_tflops * 1e12 * device.efficiency)
+    makespan over one rank's busy time (`pipeline_stretch`); the rest of it is the rank's bubble. `compiled`:
+    the blocks run under torch.compile (float8 casts fused)."""
+    rate = 1e12 * device.efficiency
+    float8_s = trace.float8_flops / (device.float8_tflops * rate) if trace.float8_flops else 0.0
+    cast_bytes = FLOAT8_CAST_BYTES["compiled" if compiled else "eager"] * trace.float8_casts
+    float8_s += cast_bytes / device.memory_bytes_per_s
+    compute_s = (trace.executed_flops - trace.float8_flops) / (device.peak_tflops * rate) + float8_s
     bubble_s = compute_s * (pipeline_stretch - 1)
     comm: dict[str, float] = {}
     for c in trace.collectives:

@@ -2,7 +2,7 @@
 
 Sections and keys are torchtitan v0.2.0's (`torchtitan/config/job_config.py`), so its TOML files load
 unchanged; meshtrain adds a few of its own (marked "meshtrain:" in their docs). A key that cannot have an
-effect here (wandb, fault tolerance, float8, MoE) is accepted at its default and refused, with the fix,
+effect here (wandb, fault tolerance, MX, MoE) is accepted at its default and refused, with the fix,
 when set to something that would need it (`trainer/preflight.py`). `--help` prints this file.
 """
 
@@ -78,9 +78,10 @@ class Model:
     """A Hugging Face tokenizer.json, or a folder holding one (BOS/EOS from tokenizer_config.json next to it,
     else from its special tokens); "" takes hf_assets_path's, or with neither the byte tokenizer (vocab 258)."""
     converters: list[str] = field(default_factory=list)
-    """Model converters ("float8", "mx"): float8/MX training is not implemented, so only [] trains."""
+    """Model converters: ["float8"] runs the linears' matmuls in float8 with tensorwise scales (models.float8;
+    [quantize.linear.float8] configures it); MX is not implemented."""
     print_after_conversion: bool = False
-    """Log the model after the converters ran (there are none to run)."""
+    """Log the model after the converters ran."""
     vocab_size: int = 0
     """meshtrain: the model's vocabulary; 0 is the tokenizer's. Larger pads the embedding and output (e.g. 2048
     for the debugmodel's 2000-token tokenizer, or a multiple of the TP degree); smaller is an error."""
@@ -289,15 +290,15 @@ class Compile:
 @dataclass(kw_only=True)
 class Float8Linear:
     enable_fsdp_float8_all_gather: bool = False
-    """float8 all-gather of FSDP parameters (only with model.converters=["float8"])."""
+    """float8 all-gather of FSDP parameters: not built (warned); the weights are gathered, then cast."""
     precompute_float8_dynamic_scale_for_fsdp: bool = False
-    """Precompute float8 scales once per step (only with model.converters=["float8"])."""
+    """Precompute FSDP float8 scales once per step: not built (warned), as the float8 all-gather."""
     recipe_name: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] | None = None
-    """float8 scaling recipe (only with model.converters=["float8"])."""
+    """float8 scaling recipe: None or "tensorwise" (the rowwise recipes are not built)."""
     filter_fqns: list[str] = field(default_factory=list)
-    """Linear modules left in high precision (only with model.converters=["float8"])."""
+    """Linear modules left in high precision: any whose FQN contains one of these (e.g. ["output"])."""
     emulate: bool = False
-    """Emulate float8 matmuls (only with model.converters=["float8"])."""
+    """float32 matmuls of the float8 values (GPUs before sm_89; the CPU's kernel does this anyway)."""
 
 
 @dataclass(kw_only=True)

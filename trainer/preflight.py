@@ -63,6 +63,7 @@ def check_config(cfg: JobConfig, world_size: int | None = None) -> list[str]:
         if not ok(value):
             raise ValueError(f"{key}={value!r}: must be {want}")
     _check_unavailable(cfg)
+    _check_converters(cfg)
     _check_paths(cfg)
     warnings = _schedule_warnings(cfg) + _feature_warnings(cfg)
     if world_size is not None:  # the degree arithmetic and the accumulation split, where they live
@@ -125,6 +126,14 @@ def _feature_warnings(cfg: JobConfig) -> list[str]:
                 f"its bubble is (stages - 1) / (m + stages - 1) = {(stages - 1) / (m + stages - 1):.0%}; raise the "
                 f"local batch or lower the microbatch size"
             )
+    f8 = cfg.quantize.linear.float8
+    if cfg.model.converters and (f8.enable_fsdp_float8_all_gather or f8.precompute_float8_dynamic_scale_for_fsdp):
+        warnings.append(
+            "quantize.linear.float8.enable_fsdp_float8_all_gather / precompute_float8_dynamic_scale_for_fsdp have "
+            "no effect here: FSDP all-gathers the weights in mixed_precision_param and each linear casts them "
+            "to float8 after (the same float8 values, tensorwise scales being whole-tensor; twice the all-gather "
+            "bytes); set them to false to silence this"
+        )
     if p.enable_async_tensor_parallel and p.tensor_parallel_degree > 1:
         warnings.append(
             "parallelism.enable_async_tensor_parallel=true has no effect here: TP runs its collectives "
@@ -185,6 +194,28 @@ def _check_unavailable(cfg: JobConfig) -> None:
         raise ValueError(
             f"activation_checkpoint.selective_ac_option={option!r}: expected 'op' (op-level selective "
             f"checkpointing) or a positive int N (checkpoint every N-th block)"
+        )
+
+
+FLOAT8_CONVERTERS = ("float8", "quantize.linear.float8")  # torchtitan v0.2's name and its later one
+
+
+def _check_converters(cfg: JobConfig) -> None:
+    """model.converters: float8 with tensorwise scaling (models.float8) converts; MX and the rowwise float8
+    recipes are not built."""
+    for name in cfg.model.converters:
+        if name in ("mx", "quantize.linear.mx"):
+            raise ValueError(
+                f"model.converters={cfg.model.converters}: MX (mxfp8) training is not implemented; use "
+                f"model.converters=['float8'] (tensorwise float8) or []"
+            )
+        if name not in FLOAT8_CONVERTERS:
+            raise ValueError(f"model.converters={cfg.model.converters}: unknown converter {name!r}; expected 'float8'")
+    recipe = cfg.quantize.linear.float8.recipe_name
+    if cfg.model.converters and recipe not in (None, "tensorwise"):
+        raise ValueError(
+            f"quantize.linear.float8.recipe_name={recipe!r}: only tensorwise scaling is implemented (one scale "
+            f"per tensor, torchao's default); leave recipe_name unset or set it to 'tensorwise'"
         )
 
 

@@ -28,6 +28,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from checkpoint.manager import CheckpointManager, StateRoles, check_model_args
 from checkpoint.stateful import ModelState, OptimizerState, RngState, Stateful
+from models.float8 import convert_to_float8_training
 from models.llama3 import Transformer, TransformerModelArgs, llama3_configs
 from models.llama3.parallelize import parallelize_llama
 from parallelisms.activation_checkpoint import ACMode
@@ -136,12 +137,13 @@ def build_parallel_dims(cfg: Parallelism, world_size: int) -> ParallelDims:
 def check_unsupported(cfg: JobConfig, device: torch.device) -> None:
     """Fail early, with the fix, on options whose support depends on the device (the pre-flight, which
     may run where the job does not, accepts them)."""
-    if cfg.model.converters:
-        need = "CUDA float8/MX matmuls (H100 or newer)" if device.type != "cuda" else "torchao's converted linears"
+    emulate = cfg.quantize.linear.float8.emulate
+    if cfg.model.converters and device.type == "cuda" and not emulate and torch.cuda.get_device_capability() < (8, 9):
         raise NotImplementedError(
-            f"model.converters={cfg.model.converters}: float8/MX training is not implemented in meshtrain (it needs "
-            f"{need}; this job runs on {device.type}); set model.converters=[] to train in "
-            f"{cfg.training.mixed_precision_param if device.type == 'cuda' else 'float32'}"
+            f"model.converters={cfg.model.converters}: float8 matmuls need CUDA compute capability 8.9 or newer "
+            f"(H100, L4, B200), this GPU has {torch.cuda.get_device_capability()}; set "
+            f"quantize.linear.float8.emulate=true (float32 matmuls of float8 values, for testing) or "
+            f"model.converters=[]"
         )
 
 
@@ -159,7 +161,15 @@ def build_model(cfg: JobConfig, vocab_size: int, *, n_layers: int | None = None)
     if n_layers is not None:
         args = dataclasses.replace(args, n_layers=n_layers)
     with torch.device("meta"):
-        return Transformer(args)
+        model = Transformer(args)
+    if cfg.model.converters:  # float8 (the pre-flight refused any other), before parallelizing, as torchtitan
+        f8 = cfg.quantize.linear.float8
+        converted = convert_to_float8_training(model, filter_fqns=f8.filter_fqns, emulate=f8.emulate)
+        logger.info("float8 (tensorwise): %d linears converted; left in high precision: %s", len(converted),
+                    [n for n, m in model.named_modules() if type(m) is nn.Linear] or "none")  # fmt: skip
+        if cfg.model.print_after_conversion:
+            logger.info("model after conversion:\n%s", model)
+    return model
 
 
 def init_model(model: Transformer, device: torch.device) -> None:

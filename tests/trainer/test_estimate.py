@@ -101,6 +101,9 @@ LAYOUTS = {  # name -> (world size, overrides)
     "fsdp2": (2, []),
     "tp2": (2, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.tensor_parallel_degree", "2"]),
     "fsdp2_tp2": (4, ["--parallelism.tensor_parallel_degree", "2"]),
+    # float8 linears: the amax all-reduces under TP, the float8 matmuls' FLOPs and casts counted apart
+    "fsdp2_tp2_float8": (4, ["--parallelism.tensor_parallel_degree", "2", "--model.converters", "float8",
+                             "--quantize.linear.float8.filter_fqns", "output"]),
     "ddp2": (2, ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]),
     "hsdp2x2": (4, ["--parallelism.data_parallel_replicate_degree", "2"]),
     "cp2_ring": (2, [*CP2, "--parallelism.context_parallel_rotate_method", "alltoall"]),
@@ -134,7 +137,7 @@ def real_step(overrides: list[str]) -> dict[str, Any]:
     trace = (trace_pipeline_step if dims.pp_enabled else trace_step)(cfg, runtime, fake=False)
     return {
         "peak": trace.memory.peak, "reserved": trace.memory.reserved, "counts": trace.comm_counts,
-        "bytes": trace.comm_bytes,
+        "bytes": trace.comm_bytes, "float8": (trace.float8_flops, trace.float8_casts, trace.executed_flops),
         "collectives": sorted((c.kind, c.mesh_dim, c.count, c.bytes) for c in trace.collectives),
     }  # fmt: skip
 
@@ -163,6 +166,8 @@ def test_estimated_peak_and_collectives_match_a_real_gloo_run(layout: str) -> No
         assert peak <= reserved and abs(reserved - real["reserved"]) <= 0.10 * real["reserved"], (reserved, real)
         estimated = sorted((c["kind"], c["mesh_dim"], c["count"], c["bytes"]) for c in role["collectives"])
         assert estimated == real["collectives"]
+        assert (role["float8_flops_per_step"], role["executed_flops_per_step"]) == real["float8"][::2]
+        assert (role["float8_flops_per_step"] > 0) == ("float8" in layout)
         by_kind: dict[str, list[int]] = {}
         for kind, _, count, nbytes in estimated:
             by_kind.setdefault(kind, [0, 0])
@@ -201,6 +206,25 @@ def test_json_has_every_key_of_the_contract() -> None:
     # the peak is in the step's backward, not the optimizer step that made the AdamW state before it (whose
     # hook once left every later allocation labelled "optimizer step" and out of the activations)
     assert rank["peak_where"].startswith("backward") and rank["memory_bytes"]["activations"] > 0, rank["peak_where"]
+
+
+def test_float8_matmuls_run_at_the_float8_peak_and_their_casts_cost_memory_traffic() -> None:
+    """The same FLOPs and bytes with float8 linears; the matmuls priced at h100's float8 peak. Eager, the casts'
+    chains of kernels eat most of the gain (torchao's own advice: float8 wants torch.compile); compiled, each
+    cast fuses into a read and a write and the step is shorter. A100s have no float8 tensor cores: refused."""
+    eight = ("--training.local_batch_size", "2", "--parallelism.data_parallel_shard_degree", "8")
+    float8 = ("--model.converters", "float8", "--quantize.linear.float8.filter_fqns", "output")
+    runs = {name: estimate_json("llama3_8b", 8, *eight, *extra, device="h100") for name, extra in (
+        ("bf16", ()), ("eager", float8), ("compiled", (*float8, "--compile.enable")),
+    )}  # fmt: skip
+    flops = {name: run["ranks"][0]["executed_flops_per_step"] for name, run in runs.items()}
+    assert flops["bf16"] == flops["eager"] == flops["compiled"]
+    assert runs["bf16"]["ranks"][0]["float8_flops_per_step"] == 0
+    assert 0.6 < runs["eager"]["ranks"][0]["float8_flops_per_step"] / flops["eager"] < 1  # the linears, not output
+    steps = {name: run["step_time_s"] for name, run in runs.items()}
+    assert steps["compiled"] < steps["eager"] < 1.05 * steps["bf16"], steps
+    done = run_estimate("--model.converters", "float8", "--world_size", "8", "--device", "a100")
+    assert done.returncode == 2 and "no float8 tensor cores" in done.stderr, done.stderr
 
 
 def test_degrees_that_do_not_multiply_to_the_world_and_unknown_devices_fail_with_the_arithmetic() -> None:

@@ -88,13 +88,37 @@ def test_a_feature_meshtrain_lacks_is_refused_in_one_line_naming_the_key(key: st
     assert "\n" not in str(info.value)
 
 
-def test_float8_is_refused_on_the_cpu_with_the_fix() -> None:
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["--model.converters", "mx"], r"^model.converters=\['mx'\]: MX .* use model.converters=\['float8'\]"),
+        (["--model.converters", "fp4"], r"unknown converter 'fp4'"),
+        (["--model.converters", "float8", "--quantize.linear.float8.recipe_name", "rowwise"],
+         r"^quantize.linear.float8.recipe_name='rowwise': only tensorwise .* set it to 'tensorwise'"),
+    ],
+)  # fmt: skip
+def test_a_converter_or_recipe_not_built_is_refused_with_the_fix(overrides: list[str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        check_config(load_config(overrides), world_size=2)
+
+
+def test_float8_on_a_gpu_without_float8_tensor_cores_is_refused_with_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
     from trainer.train import check_unsupported
 
-    with pytest.raises(NotImplementedError, match=r"model.converters=\['float8'\].*set model.converters=\[\]"):
-        check_unsupported(load_config(["--model.converters", "float8"]), torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))  # an A100
+    cfg = load_config(["--model.converters", "float8"])
+    with pytest.raises(NotImplementedError, match=r"compute capability 8.9 .* quantize.linear.float8.emulate=true"):
+        check_unsupported(cfg, torch.device("cuda"))
+    check_unsupported(load_config(["--model.converters", "float8", "--quantize.linear.float8.emulate"]),
+                      torch.device("cuda"))  # fmt: skip
+    check_unsupported(cfg, torch.device("cpu"))  # the CPU's _scaled_mm multiplies in float32: it runs
+
+
+def test_float8_fsdp_all_gather_keys_are_warned_not_refused() -> None:
+    cfg = load_config(["--model.converters", "float8", "--quantize.linear.float8.enable_fsdp_float8_all_gather"])
+    assert any("enable_fsdp_float8_all_gather" in w and "twice the all-gather" in w for w in check_config(cfg, 2))
 
 
 def test_pipeline_schedule_names_are_case_insensitive_and_checked() -> None:

@@ -1,4 +1,5 @@
-"""Sharding rules: the matmul family (mm, bmm, addmm, baddbmm, addbmm, dot, mv, addmv), written once.
+"""Sharding rules: the matmul family (mm, bmm, addmm, baddbmm, addbmm, dot, mv, addmv, float8 `_scaled_mm`),
+written once.
 
 Every op here is an einsum `"mk,kn->mn"` over its product operands, plus (for the `add*` ops) an
 additive operand broadcast to the output: `addmm(bias, a, b) = beta * bias + alpha * a @ b`.
@@ -250,6 +251,40 @@ def einsum_rule(call: OpCall) -> list[Sharding]:
     keys = spec_keys(call)
     candidates = [_in_spec_order(keys, positions, s) for s in candidates]
     return keep_written_layout(call, candidates)
+
+
+@register(aten._scaled_mm)
+def scaled_mm_rule(call: OpCall) -> list[Sharding]:
+    """`_scaled_mm(a, b, scale_a, scale_b)`: float8 `a @ b` times two scales. Tensorwise scales are 0-d and
+    must be whole on every rank (Replicate); the product then takes mm's layouts, a Partial output included
+    (the scales multiply every term of the sum alike) unless the output is itself float8 (a sum of rounded
+    float8 terms is not the float8 of the sum). A DTensor bias or result scale is not supported."""
+    bound = call.bound
+    a, b = call.args[0], call.args[1]
+    if not isinstance(a, DTensorSpec) or not isinstance(b, DTensorSpec):
+        raise NotImplementedError(f"{call.op}: both float8 operands must be DTensors, got {call.args[:2]}")
+    for name in ("scale_a", "scale_b"):
+        scale = bound.get(name)
+        if isinstance(scale, DTensorSpec) and scale.ndim != 0:
+            raise NotImplementedError(
+                f"{call.op}: {name} of shape {tuple(scale.shape)} (rowwise scaling) has no sharding rule; "
+                f"only tensorwise (0-d) scales run on DTensors"
+            )
+    if isinstance(bound.get("bias"), DTensorSpec) or isinstance(bound.get("scale_result"), DTensorSpec):
+        raise NotImplementedError(f"{call.op}: a DTensor bias or scale_result has no sharding rule; add the bias after")
+    einsum = EINSUMS[aten.mm][0]
+    candidates = einsum_shardings(einsum, [a, b], None, (a.shape[0], b.shape[1]), call.mesh_ndim)
+    out_dtype = bound.get("out_dtype")
+    if out_dtype is not None and out_dtype.is_floating_point and out_dtype.itemsize == 1:
+        candidates = [s for s in candidates if not any(isinstance(p, Partial) for p in s.outputs[0] or ())]
+    replicate = (Replicate(),) * call.mesh_ndim
+    keys = spec_keys(call)
+    shardings = []
+    for s in candidates:
+        by_arg = {0: s.inputs[0], 1: s.inputs[1]}
+        inputs = tuple(by_arg[k[1]] if k[0] == "arg" and k[1] in by_arg else replicate for k in keys)
+        shardings.append(Sharding(inputs, s.outputs))
+    return shardings
 
 
 def _in_spec_order(keys: list[tuple], positions: list[int], sharding: Sharding) -> Sharding:

@@ -1,0 +1,156 @@
+"""Float8 training of linear layers with tensorwise dynamic scaling: torchao's default recipe, which
+torchtitan turns on with `model.converters = ["float8"]`.
+
+Each of a linear's three matmuls runs in float8 (`torch._scaled_mm`), its operands cast just before it:
+
+    forward      y      = x_e4m3 @ w_e4m3.T
+    backward     grad_x = g_e5m2 @ w_e4m3
+                 grad_w = g_e5m2.T @ x_e4m3
+
+A cast scales the whole tensor so that its largest magnitude lands on the format's largest finite value
+(448 for e4m3, 57344 for e5m2), saturates, and rounds; the matmul multiplies the inverse scales back in
+and accumulates in the output's dtype. As torchao's, the scale is computed in float64 from the amax and
+rounded to float32, the forward saves the high-precision operands (not their float8 copies), and the
+backward casts them again: the same bytes, since a tensorwise scale depends only on the tensor.
+
+The code is plain torch, so it runs on DTensors as it does on one device: under tensor parallelism the
+amax of a sharded weight or gradient is a `Partial("max")`, all-reduced before its scale is used, which
+makes every rank's cast the one device's cast bit for bit. On the CPU `torch._scaled_mm` dequantizes and
+multiplies in float32, exactly what `emulate` does; CUDA needs sm_89 or newer (H100, L4, B200).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+E4M3 = torch.float8_e4m3fn  # operands of the forward (inputs and weights): more mantissa
+E5M2 = torch.float8_e5m2  # gradients: more range
+AMAX_EPS = 1e-12  # torchao's floor under the amax: an all-zero tensor gets a finite scale
+
+
+def float8_scale(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The tensorwise scale (float32, 0-d) that maps `t`'s largest magnitude onto `dtype`'s largest value."""
+    amax = torch.max(torch.abs(t))  # aten.max: selective AC keeps it, as torchtitan's policy does
+    scale = (torch.finfo(dtype).max / torch.clamp(amax.to(torch.float64), min=AMAX_EPS)).to(torch.float32)
+    if t.dtype is torch.float16:  # the scaled values must stay finite in the input's own dtype
+        scale = torch.clamp(scale, max=torch.finfo(torch.float16).max)
+    return scale
+
+
+def cast_to_float8(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t` x `scale`, saturated to `dtype`'s range and rounded to it."""
+    limit = torch.finfo(dtype).max
+    return torch.clamp(t.to(torch.float32) * scale, min=-limit, max=limit).to(dtype)
+
+
+def to_float8(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """`t` cast to the float8 `dtype` with one scale for the whole tensor, and the inverse scale (float32,
+    0-d) that turns the float8 values back into `t`'s."""
+    scale = float8_scale(t, dtype)
+    return cast_to_float8(t, scale, dtype), scale.reciprocal()
+
+
+def _column_major(t: torch.Tensor) -> torch.Tensor:
+    """The same matrix with column-major strides: the layout `_scaled_mm` wants for its second operand."""
+    return t if t.stride(0) == 1 else t.t().contiguous().t()
+
+
+def scaled_mm(
+    a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torch.Tensor, out_dtype: torch.dtype, emulate: bool
+) -> torch.Tensor:
+    """(a x a_inv) @ (b x b_inv) from float8 operands; `emulate` dequantizes and multiplies in float32 (what
+    the CPU kernel does, and the only way on GPUs older than sm_89)."""
+    if emulate:
+        return ((a.to(torch.float32) * a_inv) @ (b.to(torch.float32) * b_inv)).to(out_dtype)
+    a = a if a.stride(1) == 1 else a.contiguous()  # row-major first operand
+    return torch._scaled_mm(a, _column_major(b), scale_a=a_inv, scale_b=b_inv, out_dtype=out_dtype)
+
+
+class _Float8Matmul(torch.autograd.Function):
+    """x @ w.T (x 2-D) with each of the three matmuls in float8 (the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, emulate: bool) -> torch.Tensor:  # type: ignore[override]
+        x_scale, w_scale = float8_scale(x, E4M3), float8_scale(weight, E4M3)
+        # the scales are kept (0-d): the backward's casts of x and w are the forward's bytes without a second
+        # amax (under TP, without its all-reduce)
+        ctx.save_for_backward(x, weight, x_scale, w_scale)
+        ctx.emulate = emulate
+        x8, w8 = cast_to_float8(x, x_scale, E4M3), cast_to_float8(weight, w_scale, E4M3)
+        return scaled_mm(x8, x_scale.reciprocal(), w8.t(), w_scale.reciprocal(), x.dtype, emulate)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:  # type: ignore[override]
+        x, weight, x_scale, w_scale = ctx.saved_tensors
+        g8, g_inv = to_float8(grad, E5M2)
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            w8 = cast_to_float8(weight, w_scale, E4M3)
+            grad_x = scaled_mm(g8, g_inv, w8, w_scale.reciprocal(), x.dtype, ctx.emulate)
+        if ctx.needs_input_grad[1]:
+            x8 = cast_to_float8(x, x_scale, E4M3)
+            grad_w = scaled_mm(g8.t(), g_inv, x8, x_scale.reciprocal(), weight.dtype, ctx.emulate)
+        return grad_x, grad_w, None
+
+
+class Float8Linear(nn.Linear):
+    """An `nn.Linear` whose matmuls run in float8 (tensorwise scales); its parameters, state dict and
+    initialization are nn.Linear's, so checkpoints, FSDP and TP plans see a linear."""
+
+    emulate: bool = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # under autocast the matmul runs in the autocast dtype, as nn.Linear's would
+        if torch.is_autocast_enabled(x.device.type):
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x, weight = x.to(dtype), self.weight.to(dtype)
+        else:
+            weight = self.weight
+        with torch.autocast(x.device.type, enabled=False):
+            y = _Float8Matmul.apply(x.reshape(-1, x.shape[-1]), weight, self.emulate)
+        y = y.reshape(*x.shape[:-1], y.shape[-1])
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, *, emulate: bool = False) -> Float8Linear:
+        """`linear` as a Float8Linear: the same module object and parameters, its class swapped (hooks,
+        parametrizations and the meta device all stay as they were)."""
+        linear.__class__ = cls
+        linear.emulate = emulate
+        return linear  # type: ignore[return-value]
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, float8=tensorwise{', emulate' if self.emulate else ''}"
+
+
+def float8_convertible(linear: nn.Linear) -> bool:
+    """float8 tensor cores need every matrix dim a multiple of 16 (torchtitan's rule)."""
+    return linear.in_features % 16 == 0 and linear.out_features % 16 == 0
+
+
+def convert_to_float8_training(
+    model: nn.Module, *, filter_fqns: list[str] | tuple[str, ...] = (), emulate: bool = False
+) -> list[str]:
+    """Make every nn.Linear of `model` a Float8Linear, except those whose FQN contains one of `filter_fqns`
+    (torchtitan's substring match; e.g. ["output"]) or whose dims are not multiples of 16. Returns the
+    FQNs converted. Run it before parallelizing, as torchtitan's converters run."""
+    converted = []
+    for fqn, module in model.named_modules():
+        if type(module) is not nn.Linear or any(f in fqn for f in filter_fqns) or not float8_convertible(module):
+            continue
+        Float8Linear.from_linear(module, emulate=emulate)
+        converted.append(fqn)
+    return converted
+
+
+__all__ = [
+    "E4M3",
+    "E5M2",
+    "Float8Linear",
+    "cast_to_float8",
+    "convert_to_float8_training",
+    "float8_scale",
+    "scaled_mm",
+    "to_float8",
+]

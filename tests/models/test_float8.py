@@ -1,0 +1,205 @@
+"""Float8 training of linears (models.float8): the casts, the three float8 matmuls against their definition,
+the converter's choices, and selective AC's view of the float8 matmuls."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from models.float8 import (
+    E4M3,
+    E5M2,
+    Float8Linear,
+    cast_to_float8,
+    convert_to_float8_training,
+    float8_scale,
+    scaled_mm,
+    to_float8,
+)
+
+
+def _dequantize(data: torch.Tensor, inverse_scale: torch.Tensor) -> torch.Tensor:
+    return data.to(torch.float32) * inverse_scale
+
+
+def test_a_cast_puts_the_amax_on_the_largest_float8_value_and_saturates() -> None:
+    t = torch.tensor([[0.5, -2.0], [1.0, 0.25]])
+    data, inverse = to_float8(t, E4M3)
+    assert data.dtype is E4M3 and inverse.dtype is torch.float32 and inverse.ndim == 0
+    assert float(inverse) == pytest.approx(2.0 / 448)
+    assert data.to(torch.float32).abs().max() == 448  # the amax lands on e4m3's largest finite value
+    assert torch.equal(_dequantize(data, inverse), t)  # these values are exact in e4m3
+    # a value past the scale's range (here: cast with a scale made for a smaller tensor) saturates, never inf/nan
+    big = cast_to_float8(torch.tensor([1e6, -1e6]), float8_scale(torch.tensor([1.0]), E5M2), E5M2)
+    assert big.to(torch.float32).tolist() == [57344.0, -57344.0]
+    zeros, inverse = to_float8(torch.zeros(3), E4M3)  # all zeros: a finite scale (the amax floor), zeros back
+    assert torch.isfinite(inverse) and not zeros.to(torch.float32).any()
+
+
+def test_the_cpu_kernel_is_the_emulation_bitwise() -> None:
+    torch.manual_seed(0)
+    a, a_inv = to_float8(torch.randn(64, 48), E4M3)
+    b, b_inv = to_float8(torch.randn(32, 48), E4M3)
+    for dtype in (torch.float32, torch.bfloat16):
+        kernel = scaled_mm(a, a_inv, b.t(), b_inv, dtype, emulate=False)
+        assert torch.equal(kernel, scaled_mm(a, a_inv, b.t(), b_inv, dtype, emulate=True))
+
+
+def test_the_three_matmuls_are_float8_products_of_tensorwise_casts() -> None:
+    """Forward x8 @ w8.T, backward g8 @ w8 and g8.T @ x8 (g in e5m2), each operand cast with one scale:
+    computed here from the definition, equal bit for bit."""
+    torch.manual_seed(0)
+    linear = nn.Linear(48, 32, bias=False)
+    Float8Linear.from_linear(linear)
+    x = torch.randn(2, 8, 48, requires_grad=True)
+    y = linear(x)
+    g = torch.randn_like(y)
+    y.backward(g)
+
+    x2, w = x.detach().reshape(-1, 48), linear.weight.detach()
+    x8, w8, g8 = to_float8(x2, E4M3), to_float8(w, E4M3), to_float8(g.reshape(-1, 32), E5M2)
+    assert torch.equal(y.detach().reshape(-1, 32), _dequantize(*x8) @ _dequantize(*w8).t())
+    assert torch.equal(x.grad.reshape(-1, 48), _dequantize(*g8) @ _dequantize(*w8))
+    assert torch.equal(linear.weight.grad, _dequantize(*g8).t() @ _dequantize(*x8))
+
+
+def test_float8_stays_close_to_the_high_precision_linear() -> None:
+    torch.manual_seed(0)
+    reference = nn.Linear(256, 128, bias=True)
+    linear = nn.Linear(256, 128, bias=True)
+    linear.load_state_dict(reference.state_dict())
+    Float8Linear.from_linear(linear)
+    x = torch.randn(4, 16, 256)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y1, y2 = linear(x1), reference(x2)
+    g = torch.randn_like(y1)
+    y1.backward(g)
+    y2.backward(g)
+
+    def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a - b).detach().norm() / b.detach().norm())
+
+    # e4m3 keeps 3 mantissa bits, e5m2 2: a few percent of the tensor's norm, not more
+    assert relative(y1, y2) < 0.05
+    assert relative(x1.grad, x2.grad) < 0.1
+    assert relative(linear.weight.grad, reference.weight.grad) < 0.1
+    assert torch.equal(linear.bias.grad, reference.bias.grad)  # the bias is added in high precision
+
+
+def test_under_autocast_the_matmul_runs_in_the_autocast_dtype() -> None:
+    linear = Float8Linear.from_linear(nn.Linear(32, 16, bias=False))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = linear(torch.randn(4, 32))
+    assert y.dtype is torch.bfloat16
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention = nn.ModuleDict({"wq": nn.Linear(64, 64, bias=False), "wo": nn.Linear(64, 64, bias=False)})
+        self.odd = nn.Linear(64, 24, bias=False)  # 24 is not a multiple of 16: float8 tensor cores refuse it
+        self.output = nn.Linear(64, 32, bias=False)
+
+
+def test_the_converter_skips_filtered_and_odd_linears_and_keeps_the_parameters() -> None:
+    with torch.device("meta"):
+        model = _Block()
+    weight = model.attention.wq.weight
+    keys = list(model.state_dict())
+    converted = convert_to_float8_training(model, filter_fqns=["output"])
+    assert converted == ["attention.wq", "attention.wo"]
+    assert type(model.attention.wq) is Float8Linear and model.attention.wq.weight is weight
+    assert type(model.odd) is nn.Linear and type(model.output) is nn.Linear
+    assert list(model.state_dict()) == keys  # checkpoints and HF conversion see the same names
+    assert convert_to_float8_training(model) == ["output"]  # unfiltered, a second pass converts what is left
+    assert "float8=tensorwise" in repr(model.attention.wq)
+
+
+def test_selective_ac_treats_float8_matmuls_as_matmuls() -> None:
+    """torchtitan's op-level policy keeps every other matmul; under torchao float8 it sees them as `mm`, here
+    as `_scaled_mm`: the same ones are kept, and the backward recomputes only the others."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from parallelisms.activation_checkpoint import apply_ac
+
+    class Layers(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(
+                nn.Sequential(nn.Linear(32, 32, bias=False), nn.Linear(32, 32, bias=False)) for _ in range(2)
+            )
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    calls = {}
+    for mode in ("none", "selective"):
+        model = Layers()
+        convert_to_float8_training(model)
+        apply_ac(model, mode)  # type: ignore[arg-type]
+        x = torch.randn(8, 32, requires_grad=True)
+        with FlopCounterMode(display=False) as counter:
+            model(x).sum().backward()
+        calls[mode] = counter.get_flop_counts()["Global"][torch.ops.aten._scaled_mm]
+    # 4 linears x 3 matmuls; selective recomputes every other forward matmul: 2 more
+    assert calls["selective"] == calls["none"] + 2 * 2 * 32 * 32 * 8
+
+
+class _MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(32, 64, bias=False)
+        self.fc2 = nn.Linear(64, 32, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def _tp_float8_mlp() -> tuple[float, float, float, int]:
+    import torch.distributed as dist
+
+    from parallelisms.dtensor import init_device_mesh
+    from parallelisms.dtensor.debug import CommDebugMode
+    from parallelisms.tensor_parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    model, reference = _MLP(), _MLP()
+    reference.load_state_dict(model.state_dict())
+    convert_to_float8_training(model)
+    convert_to_float8_training(reference)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    parallelize_module(model, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    x = torch.randn(4, 8, 32)
+    with CommDebugMode() as comm:
+        y = model(x)
+        y.sum().backward()
+    expected = reference(x)
+    expected.sum().backward()
+
+    def gap(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a - b).abs().max())
+
+    return (
+        gap(y.detach(), expected.detach()),
+        gap(model.fc1.weight.grad.full_tensor(), reference.fc1.weight.grad),
+        gap(model.fc2.weight.grad.full_tensor(), reference.fc2.weight.grad),
+        comm.get_total_counts(),
+    )
+
+
+def test_tensor_parallel_float8_casts_the_one_device_bytes() -> None:
+    """Colwise / Rowwise float8 linears on 2 ranks: the sharded weight's, the sharded hidden activation's and
+    the sharded gradient's amax are all-reduced (one scalar each; the backward reuses the forward's scales),
+    so the weight gradients equal one device's bit for bit; the output differs only by the row-parallel
+    partial sum's order."""
+    from tests.world import run_world
+
+    for y_gap, grad1_gap, grad2_gap, collectives in run_world(_tp_float8_mlp, 2):
+        assert y_gap < 1e-6
+        assert grad1_gap == 0.0 and grad2_gap == 0.0
+        # forward: the amax of fc1's weight, of the hidden activation and of fc2's weight, fc2's partial sum;
+        # backward: the amax of fc1's output gradient (fc2's is whole on every rank)
+        assert collectives == 5

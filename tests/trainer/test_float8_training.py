@@ -1,0 +1,57 @@
+"""model.converters = ["float8"] through the trainer: every layout trains like one process under float8
+(tensorwise scales are whole-tensor, so every rank casts the one device's bytes), and the float8 run stays
+with the high-precision one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.trainer.test_pipeline_training import JOB
+from tests.trainer.test_train import _losses, _train_rank
+from tests.world import run_world
+
+FLOAT8 = ["--model.converters", "float8", "--quantize.linear.float8.filter_fqns", "output"]
+
+
+_ONE_PROCESS: dict[int, list[float]] = {}
+
+
+def one_process_float8(tmp_path: Path, local_batch: int) -> list[float]:
+    """One process's float8 losses, its batch split into sequences of `local_batch` (accumulated): the
+    microbatches a layout casts. An activation's scale is its microbatch's amax on its rank (torchao's rule):
+    FSDP(2) casts two sequences at a time, a PP microbatch one, so each is compared with the one process
+    that casts the same groups."""
+    if local_batch not in _ONE_PROCESS:
+        argv = [*JOB, *FLOAT8, "--training.local_batch_size", str(local_batch), "--job.dump_folder", str(tmp_path)]
+        _ONE_PROCESS[local_batch] = _losses(run_world(_train_rank, 1, argv)[0])
+    return _ONE_PROCESS[local_batch]
+
+
+@pytest.mark.parametrize(
+    "world, layout, microbatch",
+    [
+        (2, ["--training.local_batch_size", "2"], 2),  # FSDP(2)
+        (2, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"], 4),
+        (4, ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "2"], 2),  # FSDP x TP
+        (2, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"], 1),
+    ],
+    ids=["fsdp2", "tp2", "fsdp2_tp2", "pp2"],
+)  # fmt: skip
+def test_float8_training_follows_one_process(tmp_path: Path, world: int, layout: list[str], microbatch: int) -> None:
+    """Under TP a sharded weight's or gradient's amax is all-reduced, so each rank casts the one device's bytes
+    (shown op by op, bitwise, in tests/models/test_float8.py). What is left are float32 sums in another order
+    (TP's partial products, FSDP's reduce-scatter), 1e-7 apart; a float8 rounding they tip moves a value by
+    one float8 step (6%), so four steps of losses agree to 1e-3 where float32 layouts agree to 2e-4."""
+    reference = one_process_float8(tmp_path / "one", microbatch)
+    lines = run_world(_train_rank, world, [*JOB, *FLOAT8, "--job.dump_folder", str(tmp_path), *layout])[0]
+    losses = _losses(lines)
+    assert len(losses) == 4 and losses == pytest.approx(reference, abs=1e-3), (reference, losses)
+
+
+def test_float8_stays_with_the_high_precision_run(tmp_path: Path) -> None:
+    float8 = one_process_float8(tmp_path / "float8", 4)
+    reference = _losses(run_world(_train_rank, 1, [*JOB, "--job.dump_folder", str(tmp_path)])[0])
+    assert float8 != reference  # the matmuls did run in float8
+    assert float8 == pytest.approx(reference, rel=0.02), (reference, float8)
