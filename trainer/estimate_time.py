@@ -11,11 +11,11 @@ sent per rank follow the ring volumes of parallelisms.dtensor.redistribute.RING_
 rank hands the collective (an all-gather's payload is its shard, so it sends (n-1) x payload).
 
 float8 (models.float8): its matmuls' FLOPs run at the float8 peak, and every element cast to float8 costs
-memory traffic at the HBM bandwidth, FLOAT8_CAST_BYTES per element: eager, the cast is a chain of kernels
-(the amax: abs, max; the cast: to float32, x scale, clamp, to float8: 6 + 23 bytes per bf16 element, and 23
-where the backward casts again with the forward's scale: 3 of a linear's 5 casts take an amax, 26.6 bytes
-on average); compiled (torch.compile fuses each into a read for the amax and a read and a write for the
-cast) 5 bytes.
+memory traffic at the HBM bandwidth, FLOAT8_CAST_BYTES per element. Eager, a cast with its amax is three
+kernels (the amax reads the bf16 tensor, 2 bytes; the float32 product of tensor and scale reads it and
+writes 4; the rounding to float8 reads those and writes 1: 13 bytes), 11 where the backward casts again
+with the forward's scale; 3 of a linear's 5 casts take an amax: 12.2 bytes on average. Compiled, each fuses
+into a read for the amax and a read and a write for the cast: 5 bytes.
 
 Pipeline parallelism: each role (first and last stage) is traced on its own rank; the step takes the
 schedule's makespan, simulated (parallelisms.pipeline_parallel.simulate) with the forward one unit and the
@@ -41,7 +41,7 @@ from parallelisms.pipeline_parallel import Costs, ScheduleSpec, simulate
 from .devices import Device
 from .estimate_step import Collective, StepTrace
 
-FLOAT8_CAST_BYTES = {"eager": 26.6, "compiled": 5.0}  # per element cast (module docstring)
+FLOAT8_CAST_BYTES = {"eager": 12.2, "compiled": 5.0}  # per element cast (module docstring)
 OVERLAPPED = frozenset({"dp_replicate", "dp_shard", *FLATTENED})  # data-parallel dims: hidden behind compute
 
 

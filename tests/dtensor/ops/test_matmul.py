@@ -107,6 +107,26 @@ def test_rule_for_scalar_bias_offers_no_partial_output() -> None:
     assert candidates and all(not isinstance(p, Partial) for s in candidates for p in s.outputs[0])
 
 
+def test_rule_for_float8_scaled_mm_takes_mm_layouts_with_replicated_scales() -> None:
+    """`_scaled_mm(a, b, scale_a, scale_b)` (models.float8): the operands lay out as mm's, the 0-d scales are
+    Replicate in every candidate; a float8 output never comes out Partial; rowwise scales are refused."""
+    from parallelisms.dtensor.ops.matmul import scaled_mm_rule
+
+    e4m3 = torch.float8_e4m3fn
+    a, b = make_spec((8, 16), Shard(1), dtype=e4m3), make_spec((16, 4), Shard(0), dtype=e4m3)
+    scale = make_spec((), R)
+    call = OpCall(aten._scaled_mm.default, (a, b), {"scale_a": scale, "scale_b": scale, "out_dtype": torch.float32})
+    candidates = scaled_mm_rule(call)
+    assert ((Shard(1),), (Shard(0),), (R,), (R,)) in [s.inputs for s in candidates]
+    assert all(s.inputs[2:] == ((R,), (R,)) for s in candidates)
+    assert {s.outputs[0] for s in candidates} >= {(P,), (Shard(0),), (R,)}
+    call = OpCall(aten._scaled_mm.default, (a, b), {"scale_a": scale, "scale_b": scale, "out_dtype": e4m3})
+    assert all(not isinstance(p, Partial) for s in scaled_mm_rule(call) for p in s.outputs[0])
+    rowwise = make_spec((8, 1), R)
+    with pytest.raises(NotImplementedError, match=r"scale_a of shape \(8, 1\) \(rowwise scaling\)"):
+        scaled_mm_rule(OpCall(aten._scaled_mm.default, (a, b), {"scale_a": rowwise, "scale_b": scale}))
+
+
 # --------------------------------------------------------------------------------------------------
 # rank tests
 # --------------------------------------------------------------------------------------------------
