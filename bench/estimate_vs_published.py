@@ -8,12 +8,13 @@ memory is the CUDA allocator's (reserved, fragmentation and cache included), so 
 reserved peak: the step's allocations replayed through a model of that allocator (trainer.estimate_allocator);
 the live tensor bytes are shown beside it.
 
-The 405B rows run float8 linears (model.converters = ["float8"], the output left in bf16) as torchtitan's
-405B config and benchmark did; its compile is not applied (meshtrain compiles no TP layout), so the casts
-are priced as eager kernels (trainer.estimate_time). Their microbatches are as published: torchtitan at
-the benchmark's commit (9dec370, 2024-12) split the local batch into as many microbatches as the pipeline
-has stages when `pipeline_parallel_microbatches` was not set (its benchmark sets none): 8 microbatches of 4 sequences under 1F1B (8 stages), 16 of 2 under
-Interleaved1F1B (2 stages per rank, its default split for looped schedules).
+The 405B rows run float8 linears (model.converters = ["float8"], the output left in bf16) as torchtitan's 405B
+config and benchmark did; its compile is not applied (meshtrain compiles no TP layout), so the casts are
+priced as eager kernels (trainer.estimate_time). Their microbatches are as published: torchtitan at the
+benchmark's commit (9dec370, 2024-12) split the local batch into as many microbatches as the pipeline has
+stages when `pipeline_parallel_microbatches` was not set (its benchmark sets none): 8 microbatches of 4
+sequences under 1F1B (8 stages), 16 of 2 under Interleaved1F1B (2 stages per rank, its default split for
+looped schedules).
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def predict(row: Row, *, every_block: bool) -> tuple[dict | None, str, float]:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     command = [
         sys.executable, "-m", "trainer.estimate", "--job.config_file", str(REPO / "configs" / f"{row.config}.toml"),
-        "--model.tokenizer_path", "", *row.overrides, "--world_size", str(row.world_size), "--device", "h100", "--json",
+        *row.overrides, "--world_size", str(row.world_size), "--device", "h100", "--json",
         *(["--every_block"] if every_block else []),
     ]  # fmt: skip
     start = time.perf_counter()

@@ -10,13 +10,15 @@ Each of a linear's three matmuls runs in float8 (`torch._scaled_mm`), its operan
 A cast scales the whole tensor so that its largest magnitude lands on the format's largest finite value
 (448 for e4m3, 57344 for e5m2) and rounds; the matmul multiplies the inverse scales back in
 and accumulates in the output's dtype. As torchao's, the scale is computed in float64 from the amax and
-rounded to float32, the forward saves the high-precision operands (not their float8 copies), and the
-backward casts them again: the same bytes, since a tensorwise scale depends only on the tensor.
+rounded to float32, and the forward saves the high-precision operands, not their float8 copies (which
+would add a byte per element where the input is kept anyway); the backward casts them again with the
+forward's scales (saved): the same bytes, without a second amax.
 
 The code is plain torch, so it runs on DTensors as it does on one device: under tensor parallelism the
-amax of a sharded weight or gradient is a `Partial("max")`, all-reduced before its scale is used, which
-makes every rank's cast the one device's cast bit for bit. On the CPU `torch._scaled_mm` dequantizes and
-multiplies in float32, exactly what `emulate` does; CUDA needs sm_89 or newer (H100, L4, B200).
+amax of a sharded weight, activation or gradient is a `Partial("max")`, all-reduced once (a scalar), which
+makes every rank's cast the one device's cast bit for bit; no float8 tensor is ever communicated. On the
+CPU `torch._scaled_mm` dequantizes and multiplies in float32, exactly what `emulate` does; CUDA needs sm_89
+or newer (H100, L4, B200).
 """
 
 from __future__ import annotations
@@ -29,33 +31,34 @@ E5M2 = torch.float8_e5m2  # gradients: more range
 AMAX_EPS = 1e-12  # torchao's floor under the amax: an all-zero tensor gets a finite scale
 
 
-def float8_scale(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The tensorwise scale (float32, 0-d) that maps `t`'s largest magnitude onto `dtype`'s largest value."""
-    amax = torch.linalg.vector_norm(t, float("inf"))  # one pass (abs then max would be two and a temporary)
+def float8_scale(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tensorwise scale that maps `t`'s largest magnitude onto `dtype`'s largest value, and its inverse
+    (what turns the float8 values back into `t`'s): float32, shape (1,), computed as torchao does."""
+    # the amax in one pass, accumulated in float64 (exact: a max), which the scale's division wants anyway
+    amax = torch.linalg.vector_norm(t, float("inf"), dtype=torch.float64)
     if hasattr(amax, "full_tensor"):  # a DTensor's (a Partial("max") when t is sharded): all-reduced once, and
         amax = amax.full_tensor()  # the scalar arithmetic below runs on a plain tensor (replicated implicitly)
-    scale = (torch.finfo(dtype).max / torch.clamp(amax.to(torch.float64), min=AMAX_EPS)).to(torch.float32)
+    scale = (torch.finfo(dtype).max / torch.clamp(amax.reshape(1), min=AMAX_EPS)).to(torch.float32)
     if t.dtype is torch.float16:  # the scaled values must stay finite in the input's own dtype
         scale = torch.clamp(scale, max=torch.finfo(torch.float16).max)
-    return scale
+    return scale, scale.reciprocal()
 
 
 def cast_to_float8(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`t` x `scale` in float32, rounded to `dtype`: torchao's `(t.to(float32) * scale)`, saturated, cast.
 
-    Two passes instead of four: the scale as a 1-element (not 0-d) tensor makes the product float32 in one
-    kernel that reads `t` as it is, and no clamp is needed, because the scale comes from this tensor's own
-    amax: |t| x scale <= amax x fl(max / amax) <= max (1 + 2^-23), which rounds to max in either format
+    Two passes instead of four: the scale being a 1-element (not 0-d) tensor makes the product float32 in
+    one kernel that reads `t` as it is, and no clamp is needed, because the scale comes from this tensor's
+    own amax: |t| x scale <= amax x fl(max / amax) <= max (1 + 2^-23), which rounds to max in either format
     (e4m3's next value is 480, e5m2's is inf past 61440), the bytes a saturating clamp would give.
     """
-    return torch.mul(t, scale.reshape(1)).to(dtype)
+    return torch.mul(t, scale).to(dtype)
 
 
 def to_float8(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """`t` cast to the float8 `dtype` with one scale for the whole tensor, and the inverse scale (float32,
-    0-d) that turns the float8 values back into `t`'s."""
-    scale = float8_scale(t, dtype)
-    return cast_to_float8(t, scale, dtype), scale.reciprocal()
+    """`t` cast to the float8 `dtype` with one scale for the whole tensor, and the inverse scale."""
+    scale, inverse = float8_scale(t, dtype)
+    return cast_to_float8(t, scale, dtype), inverse
 
 
 def _column_major(t: torch.Tensor) -> torch.Tensor:
@@ -79,25 +82,25 @@ class _Float8Matmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, emulate: bool) -> torch.Tensor:  # type: ignore[override]
-        x_scale, w_scale = float8_scale(x, E4M3), float8_scale(weight, E4M3)
-        # the scales are kept (0-d): the backward's casts of x and w are the forward's bytes without a second
-        # amax (under TP, without its all-reduce)
-        ctx.save_for_backward(x, weight, x_scale, w_scale)
+        (x_scale, x_inv), (w_scale, w_inv) = float8_scale(x, E4M3), float8_scale(weight, E4M3)
+        # the scales are kept (1 element each): the backward casts x and w to the forward's bytes without a
+        # second amax (under TP, without its all-reduce)
+        ctx.save_for_backward(x, weight, x_scale, x_inv, w_scale, w_inv)
         ctx.emulate = emulate
         x8, w8 = cast_to_float8(x, x_scale, E4M3), cast_to_float8(weight, w_scale, E4M3)
-        return scaled_mm(x8, x_scale.reciprocal(), w8.t(), w_scale.reciprocal(), x.dtype, emulate)
+        return scaled_mm(x8, x_inv, w8.t(), w_inv, x.dtype, emulate)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:  # type: ignore[override]
-        x, weight, x_scale, w_scale = ctx.saved_tensors
+        x, weight, x_scale, x_inv, w_scale, w_inv = ctx.saved_tensors
         g8, g_inv = to_float8(grad, E5M2)
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
             w8 = cast_to_float8(weight, w_scale, E4M3)
-            grad_x = scaled_mm(g8, g_inv, w8, w_scale.reciprocal(), x.dtype, ctx.emulate)
+            grad_x = scaled_mm(g8, g_inv, w8, w_inv, x.dtype, ctx.emulate)
         if ctx.needs_input_grad[1]:
             x8 = cast_to_float8(x, x_scale, E4M3)
-            grad_w = scaled_mm(g8.t(), g_inv, x8, x_scale.reciprocal(), weight.dtype, ctx.emulate)
+            grad_w = scaled_mm(g8.t(), g_inv, x8, x_inv, weight.dtype, ctx.emulate)
         return grad_x, grad_w, None
 
 

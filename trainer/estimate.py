@@ -157,7 +157,7 @@ def estimate(
 ) -> Estimate:
     """One layout: the config's degrees on `world_size` ranks of `device` (NGPU per node unless `nodes_of`);
     `every_block`: trace every block instead of two samples (`trace_step_sampled`)."""
-    check_config(cfg, world_size)
+    check_config(cfg, world_size, local_files=False)  # the job's tokenizer and data live on the cluster
     if cfg.model.converters and not device.float8_tflops:
         raise ValueError(
             f"model.converters={cfg.model.converters} on --device {device.name}: it has no float8 tensor cores "

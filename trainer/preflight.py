@@ -54,10 +54,12 @@ _RANGES: list[tuple[str, Callable[[Any], bool], str]] = [
 _CHECKPOINT_STATES = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng")
 
 
-def check_config(cfg: JobConfig, world_size: int | None = None) -> list[str]:
+def check_config(cfg: JobConfig, world_size: int | None = None, *, local_files: bool = True) -> list[str]:
     """Raise ValueError naming the first bad key: value ranges, keys set to what needs a feature that is
     not here, paths that cannot be written, divisibility by tp and, given the world size, the degree
-    arithmetic and the global batch split. Returns the warnings (e.g. a warmup longer than the run)."""
+    arithmetic and the global batch split. Returns the warnings (e.g. a warmup longer than the run).
+    `local_files=False` (the dry run, planned away from the cluster): the tokenizer and data files need not
+    be here when model.vocab_size says the vocabulary."""
     for key, ok, want in _RANGES:
         value = _get(cfg, key)
         if not ok(value):
@@ -83,7 +85,7 @@ def check_config(cfg: JobConfig, world_size: int | None = None) -> list[str]:
             )
     _check_tp_divides_model(cfg)
     _check_pipeline(cfg)
-    _check_data(cfg)
+    _check_data(cfg, local_files=local_files)
     _check_checkpoint(cfg)
     _check_validation(cfg)
     if cfg.profiling.enable_profiling:
@@ -354,13 +356,16 @@ def _check_checkpoint(cfg: JobConfig) -> None:
             )
 
 
-def _check_data(cfg: JobConfig) -> None:
+def _check_data(cfg: JobConfig, *, local_files: bool = True) -> None:
     """The tokenizer loads, model.vocab_size covers it and tp divides the vocabulary (each TP rank
     holds an equal slice of the embedding and output), and dataset_path names data files."""
     from .tokenizer import build_model_tokenizer, model_vocab_size  # the tokenizers package only with a path
 
-    tokenizer = build_model_tokenizer(cfg.model.tokenizer_path, cfg.model.hf_assets_path)
-    vocab = model_vocab_size(tokenizer, cfg.model.vocab_size)
+    if local_files or cfg.model.vocab_size <= 0:
+        tokenizer = build_model_tokenizer(cfg.model.tokenizer_path, cfg.model.hf_assets_path)
+        vocab = model_vocab_size(tokenizer, cfg.model.vocab_size)
+    else:
+        vocab = cfg.model.vocab_size
     tp = cfg.parallelism.tensor_parallel_degree
     if vocab % tp:
         padded = -(-vocab // tp) * tp
@@ -368,7 +373,7 @@ def _check_data(cfg: JobConfig) -> None:
             f"the model's vocabulary({vocab}) must be divisible by parallelism.tensor_parallel_degree({tp}); "
             f"set model.vocab_size={padded} (pads the embedding and output)"
         )
-    if cfg.training.dataset_path:
+    if cfg.training.dataset_path and local_files:
         from .data_files import resolve_data_files
 
         resolve_data_files(cfg.training.dataset_path)

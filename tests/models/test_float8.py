@@ -26,7 +26,7 @@ def _dequantize(data: torch.Tensor, inverse_scale: torch.Tensor) -> torch.Tensor
 def test_a_cast_puts_the_amax_on_the_largest_float8_value() -> None:
     t = torch.tensor([[0.5, -2.0], [1.0, 0.25]])
     data, inverse = to_float8(t, E4M3)
-    assert data.dtype is E4M3 and inverse.dtype is torch.float32 and inverse.ndim == 0
+    assert data.dtype is E4M3 and inverse.dtype is torch.float32 and inverse.shape == (1,)
     assert float(inverse) == pytest.approx(2.0 / 448)
     assert data.to(torch.float32).abs().max() == 448  # the amax lands on e4m3's largest finite value
     assert torch.equal(_dequantize(data, inverse), t)  # these values are exact in e4m3
@@ -52,7 +52,7 @@ def test_the_two_pass_cast_gives_torchaos_saturated_cast_bit_for_bit(source: tor
         if source is torch.float16:
             scale = torch.clamp(scale, max=torch.finfo(torch.float16).max)
         expected = torch.clamp(t.to(torch.float32) * scale, min=-limit, max=limit).to(dtype)
-        ours = cast_to_float8(t, float8_scale(t, dtype), dtype)
+        ours = cast_to_float8(t, float8_scale(t, dtype)[0], dtype)
         assert torch.equal(ours.view(torch.uint8), expected.view(torch.uint8)), magnitude
         if source is not torch.float16 or magnitude > 1e-2:  # float16's scale is capped at its largest value
             assert ours.to(torch.float32).abs().max() == limit
@@ -65,6 +65,18 @@ def test_the_cpu_kernel_is_the_emulation_bitwise() -> None:
     for dtype in (torch.float32, torch.bfloat16):
         kernel = scaled_mm(a, a_inv, b.t(), b_inv, dtype, emulate=False)
         assert torch.equal(kernel, scaled_mm(a, a_inv, b.t(), b_inv, dtype, emulate=True))
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs an sm_89+ GPU"
+)
+def test_the_cuda_kernel_is_the_emulation_up_to_its_accumulation_order() -> None:
+    torch.manual_seed(0)
+    a, a_inv = to_float8(torch.randn(256, 512, device="cuda"), E4M3)
+    b, b_inv = to_float8(torch.randn(128, 512, device="cuda"), E4M3)
+    kernel = scaled_mm(a, a_inv, b.t(), b_inv, torch.float32, emulate=False)
+    emulated = scaled_mm(a, a_inv, b.t(), b_inv, torch.float32, emulate=True)
+    torch.testing.assert_close(kernel, emulated, rtol=1e-5, atol=1e-4)
 
 
 def test_the_three_matmuls_are_float8_products_of_tensorwise_casts() -> None:

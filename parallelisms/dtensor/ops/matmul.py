@@ -30,6 +30,7 @@ _unsafe_view, so they need no rules of their own (the views live in views.py).
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -255,7 +256,7 @@ def einsum_rule(call: OpCall) -> list[Sharding]:
 
 @register(aten._scaled_mm)
 def scaled_mm_rule(call: OpCall) -> list[Sharding]:
-    """`_scaled_mm(a, b, scale_a, scale_b)`: float8 `a @ b` times two scales. Tensorwise scales are 0-d and
+    """`_scaled_mm(a, b, scale_a, scale_b)`: float8 `a @ b` times two scales. Tensorwise scales (one element)
     must be whole on every rank (Replicate); the product then takes mm's layouts, a Partial output included
     (the scales multiply every term of the sum alike) unless the output is itself float8 (a sum of rounded
     float8 terms is not the float8 of the sum). A DTensor bias or result scale is not supported."""
@@ -265,10 +266,10 @@ def scaled_mm_rule(call: OpCall) -> list[Sharding]:
         raise NotImplementedError(f"{call.op}: both float8 operands must be DTensors, got {call.args[:2]}")
     for name in ("scale_a", "scale_b"):
         scale = bound.get(name)
-        if isinstance(scale, DTensorSpec) and scale.ndim != 0:
+        if isinstance(scale, DTensorSpec) and math.prod(scale.shape) != 1:
             raise NotImplementedError(
                 f"{call.op}: {name} of shape {tuple(scale.shape)} (rowwise scaling) has no sharding rule; "
-                f"only tensorwise (0-d) scales run on DTensors"
+                f"only tensorwise (one-element) scales run on DTensors"
             )
     if isinstance(bound.get("bias"), DTensorSpec) or isinstance(bound.get("scale_result"), DTensorSpec):
         raise NotImplementedError(f"{call.op}: a DTensor bias or scale_result has no sharding rule; add the bias after")

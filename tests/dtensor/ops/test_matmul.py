@@ -114,7 +114,7 @@ def test_rule_for_float8_scaled_mm_takes_mm_layouts_with_replicated_scales() -> 
 
     e4m3 = torch.float8_e4m3fn
     a, b = make_spec((8, 16), Shard(1), dtype=e4m3), make_spec((16, 4), Shard(0), dtype=e4m3)
-    scale = make_spec((), R)
+    scale = make_spec((1,), R)
     call = OpCall(aten._scaled_mm.default, (a, b), {"scale_a": scale, "scale_b": scale, "out_dtype": torch.float32})
     candidates = scaled_mm_rule(call)
     assert ((Shard(1),), (Shard(0),), (R,), (R,)) in [s.inputs for s in candidates]
