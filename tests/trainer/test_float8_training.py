@@ -4,6 +4,8 @@ with the high-precision one."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ from tests.trainer.test_pipeline_training import JOB
 from tests.trainer.test_train import _losses, _train_rank
 from tests.world import run_world
 
+REPO = Path(__file__).resolve().parents[2]
 FLOAT8 = ["--model.converters", "float8", "--quantize.linear.float8.filter_fqns", "output"]
 
 
@@ -32,12 +35,11 @@ def one_process_float8(tmp_path: Path, local_batch: int) -> list[float]:
 @pytest.mark.parametrize(
     "world, layout, microbatch",
     [
-        (2, ["--training.local_batch_size", "2"], 2),  # FSDP(2)
         (2, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"], 4),
         (4, ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "2"], 2),  # FSDP x TP
         (2, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"], 1),
     ],
-    ids=["fsdp2", "tp2", "fsdp2_tp2", "pp2"],
+    ids=["tp2", "fsdp2_tp2", "pp2"],
 )  # fmt: skip
 def test_float8_training_follows_one_process(tmp_path: Path, world: int, layout: list[str], microbatch: int) -> None:
     """Under TP a sharded weight's or gradient's amax is all-reduced, so each rank casts the one device's bytes
@@ -55,3 +57,19 @@ def test_float8_stays_with_the_high_precision_run(tmp_path: Path) -> None:
     reference = _losses(run_world(_train_rank, 1, [*JOB, "--job.dump_folder", str(tmp_path)])[0])
     assert float8 != reference  # the matmuls did run in float8
     assert float8 == pytest.approx(reference, rel=0.02), (reference, float8)
+
+
+@pytest.mark.e2e
+def test_run_train_sh_trains_fsdp2_in_float8_like_one_process(tmp_path: Path) -> None:
+    """The default job (FSDP over 2 CPU ranks) with float8 linears, through torchrun: exit 0, the linears
+    converted and the output left out, and one process's float8 losses (two sequences a rank, as its)."""
+    reference = one_process_float8(tmp_path / "one", 2)
+    run = subprocess.run(
+        ["./run_train.sh", *JOB, *FLOAT8, "--training.local_batch_size", "2", "--job.dump_folder", str(tmp_path)],
+        cwd=REPO, env={**os.environ, "NGPU": "2"}, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-3000:]
+    assert "float8 (tensorwise): 42 linears converted; left in high precision: ['output']" in out, out[-3000:]
+    lines = [line.split("trainer.metrics: ", 1)[1] for line in out.splitlines() if "trainer.metrics: step " in line]
+    assert _losses(lines) == pytest.approx(reference, abs=1e-3), (reference, _losses(lines))
