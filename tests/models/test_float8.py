@@ -236,3 +236,20 @@ def test_tensor_parallel_float8_casts_the_one_device_bytes() -> None:
         # forward: the amax of fc1's weight, of the hidden activation and of fc2's weight, fc2's partial sum;
         # backward: the amax of fc1's output gradient (fc2's is whole on every rank)
         assert collectives == 5
+
+
+def test_a_compiled_float8_linear_gives_eager_results() -> None:
+    """FSDP-only layouts compile each block (compile.enable): the float8 linear traces whole (its autograd
+    Function, the casts and `_scaled_mm`), with eager's outputs and gradients."""
+    torch.manual_seed(0)
+    eager = Float8Linear.from_linear(nn.Linear(64, 32, bias=False))
+    compiled_module = Float8Linear.from_linear(nn.Linear(64, 32, bias=False))
+    compiled_module.load_state_dict(eager.state_dict())
+    compiled = torch.compile(compiled_module, backend="aot_eager", fullgraph=True)
+    x = torch.randn(4, 8, 64)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y1, y2 = eager(x1), compiled(x2)
+    y1.sum().backward()
+    y2.sum().backward()
+    assert torch.equal(y1, y2) and torch.equal(x1.grad, x2.grad)
+    assert torch.equal(eager.weight.grad, compiled_module.weight.grad)
