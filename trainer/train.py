@@ -56,7 +56,7 @@ from .pipeline import (
 )
 from .pipeline_schedule import schedule_spec
 from .preemption import PreemptionWatch
-from .preflight import check_config
+from .preflight import FLOAT8_CONVERTERS, check_config
 from .profiling import Profiler
 from .runtime import Runtime, build_runtime
 from .step import (
@@ -162,7 +162,7 @@ def build_model(cfg: JobConfig, vocab_size: int, *, n_layers: int | None = None)
         args = dataclasses.replace(args, n_layers=n_layers)
     with torch.device("meta"):
         model = Transformer(args)
-    if cfg.model.converters:  # float8 (the pre-flight refused any other), before parallelizing, as torchtitan
+    if any(name in FLOAT8_CONVERTERS for name in cfg.model.converters):  # before parallelizing, as torchtitan
         f8 = cfg.quantize.linear.float8
         converted = convert_to_float8_training(model, filter_fqns=f8.filter_fqns, emulate=f8.emulate)
         logger.info("float8 (tensorwise): %d linears converted; left in high precision: %s", len(converted),
