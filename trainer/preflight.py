@@ -67,7 +67,7 @@ def check_config(cfg: JobConfig, world_size: int | None = None, *, local_files: 
     _check_unavailable(cfg)
     _check_converters(cfg)
     _check_paths(cfg)
-    warnings = _schedule_warnings(cfg) + _feature_warnings(cfg)
+    warnings = _schedule_warnings(cfg) + _feature_warnings(cfg) + _float8_warnings(cfg)
     if world_size is not None:  # the degree arithmetic and the accumulation split, where they live
         from parallelisms.parallel_dims import ParallelDims
 
@@ -128,14 +128,6 @@ def _feature_warnings(cfg: JobConfig) -> list[str]:
                 f"its bubble is (stages - 1) / (m + stages - 1) = {(stages - 1) / (m + stages - 1):.0%}; raise the "
                 f"local batch or lower the microbatch size"
             )
-    f8 = cfg.quantize.linear.float8
-    if cfg.model.converters and (f8.enable_fsdp_float8_all_gather or f8.precompute_float8_dynamic_scale_for_fsdp):
-        warnings.append(
-            "quantize.linear.float8.enable_fsdp_float8_all_gather / precompute_float8_dynamic_scale_for_fsdp have "
-            "no effect here: FSDP all-gathers the weights in mixed_precision_param and each linear casts them "
-            "to float8 after (the same float8 values, tensorwise scales being whole-tensor; twice the all-gather "
-            "bytes); set them to false to silence this"
-        )
     if p.enable_async_tensor_parallel and p.tensor_parallel_degree > 1:
         warnings.append(
             "parallelism.enable_async_tensor_parallel=true has no effect here: TP runs its collectives "
@@ -197,6 +189,20 @@ def _check_unavailable(cfg: JobConfig) -> None:
             f"activation_checkpoint.selective_ac_option={option!r}: expected 'op' (op-level selective "
             f"checkpointing) or a positive int N (checkpoint every N-th block)"
         )
+
+
+def _float8_warnings(cfg: JobConfig) -> list[str]:
+    """torchtitan's FSDP float8 keys, set where their optimization is not built: the job runs, and says so."""
+    f8 = cfg.quantize.linear.float8
+    fsdp_keys = f8.enable_fsdp_float8_all_gather or f8.precompute_float8_dynamic_scale_for_fsdp
+    if not cfg.model.converters or not fsdp_keys:
+        return []
+    return [
+        "quantize.linear.float8.enable_fsdp_float8_all_gather / precompute_float8_dynamic_scale_for_fsdp have no "
+        "effect here: FSDP all-gathers the weights in mixed_precision_param and each linear casts them to float8 "
+        "after (the same float8 values, tensorwise scales being whole-tensor; twice the all-gather bytes); set them "
+        "to false to silence this"
+    ]
 
 
 FLOAT8_CONVERTERS = ("float8", "quantize.linear.float8")  # torchtitan v0.2's name and its later one
