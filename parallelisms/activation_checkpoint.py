@@ -31,8 +31,10 @@ AC_MODES = ("none", "full", "selective")
 
 aten = torch.ops.aten
 # ops whose outputs selective checkpointing keeps (their recomputation would cost the most), as torchtitan's
-# default save list (torch's compute-intensive ops, attention, and `max`, which float8 scaling reads)
-# float8 linears (models.float8) multiply with `_scaled_mm`: torchao's subclass shows the policy an `mm` there
+# default save list (torch's compute-intensive ops, attention, and `max`, the amax torchao's float8 scaling
+# reads: models.float8 reads it with `linalg_vector_norm`, kept for the same reason, a scalar whose
+# recomputation would read the whole tensor again); float8 linears multiply with `_scaled_mm`, which the
+# policy counts as a matmul, as torchtitan's sees torchao's float8 matmul as `mm`
 _MATMULS = frozenset((aten.mm.default, aten.linear.default, aten._scaled_mm.default))
 _SAVE_OPS = _MATMULS | frozenset(
     getattr(aten, name).default
@@ -40,6 +42,7 @@ _SAVE_OPS = _MATMULS | frozenset(
         "addmm",
         "bmm",
         "max",
+        "linalg_vector_norm",
         "_scaled_dot_product_flash_attention",
         "_scaled_dot_product_efficient_attention",
         "_scaled_dot_product_cudnn_attention",

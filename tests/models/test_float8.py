@@ -253,3 +253,41 @@ def test_a_compiled_float8_linear_gives_eager_results() -> None:
     y2.sum().backward()
     assert torch.equal(y1, y2) and torch.equal(x1.grad, x2.grad)
     assert torch.equal(eager.weight.grad, compiled_module.weight.grad)
+
+
+def test_selective_ac_keeps_the_amaxes_so_the_recomputation_reads_no_tensor_for_them() -> None:
+    """torchtitan keeps `max` (torchao's amax) under op-level SAC; models.float8 takes its amax with
+    `linalg_vector_norm`, kept alike: the backward's recomputation runs no amax, only the gradients' own."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from parallelisms.activation_checkpoint import apply_ac
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.amaxes = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.amaxes += func is torch.ops.aten.linalg_vector_norm.default
+            return func(*args, **(kwargs or {}))
+
+    class Layers(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(32, 32, bias=False) for _ in range(2))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    counts = {}
+    for mode in ("none", "selective"):
+        model = Layers()
+        convert_to_float8_training(model)
+        apply_ac(model, mode)  # type: ignore[arg-type]
+        loss = model(torch.randn(8, 32, requires_grad=True)).sum()
+        with Count() as count:
+            loss.backward()
+        counts[mode] = count.amaxes
+    assert counts == {"none": 2, "selective": 2}  # one gradient amax per linear; no recomputed x or w amax
