@@ -149,30 +149,33 @@ def test_the_converter_skips_filtered_and_odd_linears_and_keeps_the_parameters()
     assert "float8=tensorwise" in repr(model.attention.wq)
 
 
+class _Float8Blocks(nn.Module):
+    """Two blocks of float8 linears (32 wide) under `model.layers`, checkpointed by `ac_mode` as apply_ac does."""
+
+    def __init__(self, *, linears_per_block: int, ac_mode: str) -> None:
+        from parallelisms.activation_checkpoint import apply_ac
+
+        super().__init__()
+        self.layers = nn.ModuleList(
+            nn.Sequential(*(nn.Linear(32, 32, bias=False) for _ in range(linears_per_block))) for _ in range(2)
+        )
+        convert_to_float8_training(self)
+        apply_ac(self, ac_mode)  # type: ignore[arg-type]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
 def test_selective_ac_treats_float8_matmuls_as_matmuls() -> None:
     """torchtitan's op-level policy keeps every other matmul; under torchao float8 it sees them as `mm`, here
     as `_scaled_mm`: the same ones are kept, and the backward recomputes only the others."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from parallelisms.activation_checkpoint import apply_ac
-
-    class Layers(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layers = nn.ModuleList(
-                nn.Sequential(nn.Linear(32, 32, bias=False), nn.Linear(32, 32, bias=False)) for _ in range(2)
-            )
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            for layer in self.layers:
-                x = layer(x)
-            return x
-
     calls = {}
     for mode in ("none", "selective"):
-        model = Layers()
-        convert_to_float8_training(model)
-        apply_ac(model, mode)  # type: ignore[arg-type]
+        model = _Float8Blocks(linears_per_block=2, ac_mode=mode)
         x = torch.randn(8, 32, requires_grad=True)
         with FlopCounterMode(display=False) as counter:
             model(x).sum().backward()
@@ -260,8 +263,6 @@ def test_selective_ac_keeps_the_amaxes_so_the_recomputation_reads_no_tensor_for_
     `linalg_vector_norm`, kept alike: the backward's recomputation runs no amax, only the gradients' own."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from parallelisms.activation_checkpoint import apply_ac
-
     class Count(TorchDispatchMode):
         def __init__(self) -> None:
             super().__init__()
@@ -271,21 +272,9 @@ def test_selective_ac_keeps_the_amaxes_so_the_recomputation_reads_no_tensor_for_
             self.amaxes += func is torch.ops.aten.linalg_vector_norm.default
             return func(*args, **(kwargs or {}))
 
-    class Layers(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layers = nn.ModuleList(nn.Linear(32, 32, bias=False) for _ in range(2))
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            for layer in self.layers:
-                x = layer(x)
-            return x
-
     counts = {}
     for mode in ("none", "selective"):
-        model = Layers()
-        convert_to_float8_training(model)
-        apply_ac(model, mode)  # type: ignore[arg-type]
+        model = _Float8Blocks(linears_per_block=1, ac_mode=mode)
         loss = model(torch.randn(8, 32, requires_grad=True)).sum()
         with Count() as count:
             loss.backward()
