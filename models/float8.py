@@ -23,6 +23,8 @@ or newer (H100, L4, B200).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -38,8 +40,14 @@ def float8_scale(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, tor
     amax = torch.linalg.vector_norm(t, float("inf"), dtype=torch.float64)
     if hasattr(amax, "full_tensor"):  # a DTensor's (a Partial("max") when t is sharded): all-reduced once, and
         amax = amax.full_tensor()  # the scalar arithmetic below runs on a plain tensor (replicated implicitly)
+    return scale_from_amax(amax, dtype, t.dtype)
+
+
+def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype, source: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scale and inverse scale (float32, shape (1,)) of a `source`-dtype tensor whose float64 amax is
+    `amax` (any shape of one element), cast to the float8 `dtype`."""
     scale = (torch.finfo(dtype).max / torch.clamp(amax.reshape(1), min=AMAX_EPS)).to(torch.float32)
-    if t.dtype is torch.float16:  # the scaled values must stay finite in the input's own dtype
+    if source is torch.float16:  # the scaled values must stay finite in the input's own dtype
         scale = torch.clamp(scale, max=torch.finfo(torch.float16).max)
     return scale, scale.reciprocal()
 
@@ -78,30 +86,38 @@ def scaled_mm(
 
 
 class _Float8Matmul(torch.autograd.Function):
-    """x @ w.T (x 2-D) with each of the three matmuls in float8 (the module docstring)."""
+    """x @ w.T (x 2-D) with each of the three matmuls in float8 (the module docstring). `precast`: the weight
+    already in e4m3 with its inverse scale (FSDP's float8 all-gather); `weight` is then only the leaf that
+    receives the gradient, and its data is never read."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, emulate: bool) -> torch.Tensor:  # type: ignore[override]
-        (x_scale, x_inv), (w_scale, w_inv) = float8_scale(x, E4M3), float8_scale(weight, E4M3)
-        # the scales are kept (1 element each): the backward casts x and w to the forward's bytes without a
-        # second amax (under TP, without its all-reduce)
-        ctx.save_for_backward(x, weight, x_scale, x_inv, w_scale, w_inv)
-        ctx.emulate = emulate
-        x8, w8 = cast_to_float8(x, x_scale, E4M3), cast_to_float8(weight, w_scale, E4M3)
-        return scaled_mm(x8, x_inv, w8.t(), w_inv, x.dtype, emulate)
+    def forward(
+        ctx, x: torch.Tensor, weight: torch.Tensor, emulate: bool, precast: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> torch.Tensor:
+        x_scale, x_inv = float8_scale(x, E4M3)
+        if precast is None:
+            w_scale, w_inv = float8_scale(weight, E4M3)
+            w8 = cast_to_float8(weight, w_scale, E4M3)
+            # the high-precision weight is kept, not w8: the backward casts it again with the kept scale
+            ctx.save_for_backward(x, weight, x_scale, x_inv, w_scale, w_inv)
+        else:
+            (w8, w_inv), w_scale = precast, None
+            ctx.save_for_backward(x, w8, x_scale, x_inv, w_scale, w_inv)  # w8: FSDP refills it for backward
+        ctx.emulate, ctx.weight_dtype = emulate, weight.dtype
+        return scaled_mm(cast_to_float8(x, x_scale, E4M3), x_inv, w8.t(), w_inv, x.dtype, emulate)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
         x, weight, x_scale, x_inv, w_scale, w_inv = ctx.saved_tensors
         g8, g_inv = to_float8(grad, E5M2)
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            w8 = cast_to_float8(weight, w_scale, E4M3)
+            w8 = weight if w_scale is None else cast_to_float8(weight, w_scale, E4M3)
             grad_x = scaled_mm(g8, g_inv, w8, w_inv, x.dtype, ctx.emulate)
         if ctx.needs_input_grad[1]:
             x8 = cast_to_float8(x, x_scale, E4M3)
-            grad_w = scaled_mm(g8.t(), g_inv, x8, x_inv, weight.dtype, ctx.emulate)
-        return grad_x, grad_w, None
+            grad_w = scaled_mm(g8.t(), g_inv, x8, x_inv, ctx.weight_dtype, ctx.emulate)
+        return grad_x, grad_w, None, None
 
 
 class Float8Linear(nn.Linear):
@@ -111,14 +127,15 @@ class Float8Linear(nn.Linear):
     emulate: bool = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        precast = getattr(weight, "precast", None)  # (e4m3 data, inverse scale): FSDP gathered it in float8
         # under autocast the matmul runs in the autocast dtype, as nn.Linear's would
         if torch.is_autocast_enabled(x.device.type):
             dtype = torch.get_autocast_dtype(x.device.type)
-            x, weight = x.to(dtype), self.weight.to(dtype)
-        else:
-            weight = self.weight
+            x = x.to(dtype)
+            weight = weight if precast is not None else weight.to(dtype)  # a precast weight has no data to cast
         with torch.autocast(x.device.type, enabled=False):
-            y = _Float8Matmul.apply(x.reshape(-1, x.shape[-1]), weight, self.emulate)
+            y = _Float8Matmul.apply(x.reshape(-1, x.shape[-1]), weight, self.emulate, precast)
         y = y.reshape(*x.shape[:-1], y.shape[-1])
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
@@ -127,11 +144,25 @@ class Float8Linear(nn.Linear):
         """`linear` as a Float8Linear: the same module object and parameters, its class swapped (hooks,
         parametrizations and the meta device all stay as they were)."""
         linear.__class__ = cls
-        linear.emulate = emulate
+        linear.emulate = emulate  # type: ignore[assignment]
         return linear  # type: ignore[return-value]
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, float8=tensorwise{', emulate' if self.emulate else ''}"
+
+
+@dataclass(frozen=True)
+class Float8AllGather:
+    """Set on a Float8Linear's weight as `fsdp_all_gather_cast` (torchtitan's `enable_fsdp_float8_all_gather`):
+    fully_shard then casts each shard to `dtype` with the whole weight's tensorwise scale before the all-gather,
+    a quarter of float32's bytes (half of bf16's), and hands the linear the gathered e4m3 weight and its
+    inverse scale as the unsharded parameter's `precast` (parallelisms/fsdp/param.py). The bytes are those
+    the linear would cast from the gathered weight: the scale comes from the max of the shards' amaxes."""
+
+    dtype: torch.dtype = E4M3
+
+    def scales(self, amax: torch.Tensor, source: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return scale_from_amax(amax, self.dtype, source)
 
 
 def float8_convertible(linear: nn.Linear) -> bool:
@@ -140,16 +171,23 @@ def float8_convertible(linear: nn.Linear) -> bool:
 
 
 def convert_to_float8_training(
-    model: nn.Module, *, filter_fqns: list[str] | tuple[str, ...] = (), emulate: bool = False
+    model: nn.Module,
+    *,
+    filter_fqns: list[str] | tuple[str, ...] = (),
+    emulate: bool = False,
+    fsdp_float8_all_gather: bool = False,
 ) -> list[str]:
     """Make every nn.Linear of `model` a Float8Linear, except those whose FQN contains one of `filter_fqns`
     (torchtitan's substring match; e.g. ["output"]) or whose dims are not multiples of 16. Returns the
-    FQNs converted. Run it before parallelizing, as torchtitan's converters run."""
+    FQNs converted. Run it before parallelizing, as torchtitan's converters run. `fsdp_float8_all_gather`:
+    mark their weights for fully_shard's float8 all-gather (Float8AllGather)."""
     converted = []
     for fqn, module in model.named_modules():
         if type(module) is not nn.Linear or any(f in fqn for f in filter_fqns) or not float8_convertible(module):
             continue
         Float8Linear.from_linear(module, emulate=emulate)
+        if fsdp_float8_all_gather:
+            module.weight.fsdp_all_gather_cast = Float8AllGather()  # type: ignore[attr-defined]
         converted.append(fqn)
     return converted
 
@@ -157,10 +195,12 @@ def convert_to_float8_training(
 __all__ = [
     "E4M3",
     "E5M2",
+    "Float8AllGather",
     "Float8Linear",
     "cast_to_float8",
     "convert_to_float8_training",
     "float8_scale",
+    "scale_from_amax",
     "scaled_mm",
     "to_float8",
 ]

@@ -1,7 +1,7 @@
 """One traced training step of one rank: the estimator's measurement, on fake tensors or real ones.
 
 `trace_step` builds the model with the trainer's own recipe (build_model on meta, parallelize_llama under
-the runtime's mesh, init_model, build_optimizer) and runs `trainer.step.train_step` once over the step's
+the runtime's mesh, init_model, build_job_optimizer) and runs `trainer.step.train_step` once over the step's
 micro-batches, while `LiveBytes` accounts every storage (estimate_memory) and `MeshCommDebugMode` counts
 the collectives by kind and mesh dim. Under `fake=True` every tensor is a FakeTensor (no memory, no
 data) and the process group may be a fake one of any size; with `fake=False` it is a real run (the tests
@@ -41,13 +41,12 @@ from .estimate_memory import LiveBytes, MemoryReport, track_live_bytes
 from .estimate_microbatches import microbatch_samples
 from .job_config import JobConfig
 from .metrics import flops_per_token
-from .optim import build_optimizer
 from .pipeline import pipeline_train_step, split_for_rank, stage_fqns, stages_per_rank
 from .pipeline_schedule import schedule_spec
 from .runtime import Runtime
 from .step import MicroBatches, global_target_count, train_step
 from .tokenizer import build_model_tokenizer, model_vocab_size
-from .train import assemble_pipeline, build_model, init_model
+from .train import assemble_pipeline, build_job_optimizer, build_model, init_model
 
 
 @dataclass(frozen=True)
@@ -203,14 +202,6 @@ def _allocate(cfg: JobConfig, model: torch.nn.Module, device: torch.device, *, f
         model.to(torch.bfloat16)
 
 
-def _optimizer(cfg: JobConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
-    opt = cfg.optimizer
-    return build_optimizer(
-        model, name=opt.name, lr=opt.lr, eps=opt.eps, weight_decay=opt.weight_decay, betas=(opt.beta1, opt.beta2),
-        implementation=opt.implementation,
-    )  # fmt: skip
-
-
 def _step_setup(
     cfg: JobConfig, runtime: Runtime, vocab_size: int | None, n_layers: int | None = None
 ) -> tuple[int, int, Transformer, float]:
@@ -252,7 +243,7 @@ def trace_step(
         fakes.enter_context(RealTensorsStayReal())
     with fakes, track_live_bytes() as live:
         _allocate(cfg, model, runtime.device, fake=fake)
-        optimizer = _optimizer(cfg, model)
+        optimizer = build_job_optimizer(cfg, model)
         shape = (training.local_batch_size, training.seq_len)
         micro = [(_tokens(vocab, shape, runtime.device), _tokens(vocab, shape, runtime.device)) for _ in range(n_micro)]
 
@@ -332,7 +323,7 @@ def trace_pipeline_step(
         for part in parts:
             _allocate(cfg, part, runtime.device, fake=fake)
         model = assemble_pipeline(cfg, runtime, whole, parts, stage_ids)
-        optimizer = _optimizer(cfg, model)
+        optimizer = build_job_optimizer(cfg, model)
         shape = (training.local_batch_size, training.seq_len)
         micro = [(_tokens(vocab, shape, runtime.device), _tokens(vocab, shape, runtime.device)) for _ in range(n_micro)]
 

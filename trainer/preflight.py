@@ -192,17 +192,25 @@ def _check_unavailable(cfg: JobConfig) -> None:
 
 
 def _float8_warnings(cfg: JobConfig) -> list[str]:
-    """torchtitan's FSDP float8 keys, set where their optimization is not built: the job runs, and says so."""
-    f8 = cfg.quantize.linear.float8
-    fsdp_keys = f8.enable_fsdp_float8_all_gather or f8.precompute_float8_dynamic_scale_for_fsdp
-    if not cfg.model.converters or not fsdp_keys:
+    """torchtitan's FSDP float8 keys, set where they cannot act: the job runs, and says so."""
+    f8, dims, key = cfg.quantize.linear.float8, cfg.parallelism, "quantize.linear.float8"
+    gather, precompute = f8.enable_fsdp_float8_all_gather, f8.precompute_float8_dynamic_scale_for_fsdp
+    if not cfg.model.converters or not (gather or precompute):
         return []
-    return [
-        "quantize.linear.float8.enable_fsdp_float8_all_gather / precompute_float8_dynamic_scale_for_fsdp have no "
-        "effect here: FSDP all-gathers the weights in mixed_precision_param and each linear casts them to float8 "
-        "after (the same float8 values, tensorwise scales being whole-tensor; twice the all-gather bytes); set them "
-        "to false to silence this"
-    ]
+    if not gather:
+        return [
+            f"{key}.precompute_float8_dynamic_scale_for_fsdp has no effect without {key}.enable_fsdp_float8_all_gather"
+            " (there are no float8 all-gathers to precompute scales for)"
+        ]
+    if dims.data_parallel_shard_degree == 1:
+        return [f"{key}.enable_fsdp_float8_all_gather has no effect: data_parallel_shard_degree is 1 (no FSDP)"]
+    if dims.tensor_parallel_degree > 1:
+        return [
+            f"{key}.enable_fsdp_float8_all_gather: the weights that tensor parallelism shards are all-gathered in "
+            "mixed_precision_param and cast after (the same float8 values, more bytes); the float8 all-gather covers "
+            "FSDP-only weights"
+        ]
+    return []
 
 
 FLOAT8_CONVERTERS = ("float8", "quantize.linear.float8")  # torchtitan v0.2's name and its later one

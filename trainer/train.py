@@ -33,7 +33,7 @@ from models.llama3 import Transformer, TransformerModelArgs, llama3_configs
 from models.llama3.parallelize import parallelize_llama
 from parallelisms.activation_checkpoint import ACMode
 from parallelisms.dtensor.init import layout_invariant_init
-from parallelisms.fsdp import MixedPrecisionPolicy
+from parallelisms.fsdp import MixedPrecisionPolicy, precompute_all_gather_scales
 from parallelisms.parallel_dims import ParallelDims
 
 from .config import Comm, JobConfig, Parallelism, load_config, save_config, to_toml
@@ -164,7 +164,8 @@ def build_model(cfg: JobConfig, vocab_size: int, *, n_layers: int | None = None)
         model = Transformer(args)
     if any(name in FLOAT8_CONVERTERS for name in cfg.model.converters):  # before parallelizing, as torchtitan
         f8 = cfg.quantize.linear.float8
-        converted = convert_to_float8_training(model, filter_fqns=f8.filter_fqns, emulate=f8.emulate)
+        converted = convert_to_float8_training(model, filter_fqns=f8.filter_fqns, emulate=f8.emulate,
+                                               fsdp_float8_all_gather=f8.enable_fsdp_float8_all_gather)  # fmt: skip
         logger.info("float8 (tensorwise): %d linears converted; left in high precision: %s", len(converted),
                     [n for n, m in model.named_modules() if type(m) is nn.Linear] or "none")  # fmt: skip
         if cfg.model.print_after_conversion:
@@ -204,16 +205,27 @@ class Components:
             self.metrics.close()
 
 
-def build_model_and_optimizer(
-    cfg: JobConfig, runtime: Runtime, vocab_size: int
-) -> tuple[nn.Module, torch.optim.Optimizer, LambdaLR]:
-    """The parallelized, initialized model, its optimizer and lr scheduler."""
-    model = build_parallel_model(cfg, runtime, vocab_size)
+def build_job_optimizer(cfg: JobConfig, model: nn.Module) -> torch.optim.Optimizer:
+    """The config's optimizer over `model`, with torchtitan's post-step hook: under float8 all-gathers with
+    `precompute_float8_dynamic_scale_for_fsdp`, every float8 weight's scale for the next step in one all-reduce."""
     opt = cfg.optimizer
     optimizer = build_optimizer(
         model, name=opt.name, lr=opt.lr, eps=opt.eps, weight_decay=opt.weight_decay, betas=(opt.beta1, opt.beta2),
         implementation=opt.implementation,
     )  # fmt: skip
+    f8 = cfg.quantize.linear.float8
+    if cfg.model.converters and f8.enable_fsdp_float8_all_gather and f8.precompute_float8_dynamic_scale_for_fsdp:
+        parts = list(model.parts) if isinstance(model, PipelineParts) else [model]
+        optimizer.register_step_post_hook(lambda *_: precompute_all_gather_scales(parts))  # type: ignore[arg-type]
+    return optimizer
+
+
+def build_model_and_optimizer(
+    cfg: JobConfig, runtime: Runtime, vocab_size: int
+) -> tuple[nn.Module, torch.optim.Optimizer, LambdaLR]:
+    """The parallelized, initialized model, its optimizer and lr scheduler."""
+    model = build_parallel_model(cfg, runtime, vocab_size)
+    optimizer = build_job_optimizer(cfg, model)
     sched = cfg.lr_scheduler
     scheduler = build_lr_scheduler(
         optimizer, warmup_steps=sched.warmup_steps, total_steps=cfg.training.steps, decay_ratio=sched.decay_ratio,

@@ -17,6 +17,7 @@ import torch.nn as nn
 from parallelisms.dtensor import DeviceMesh, DTensor, Replicate, Shard, init_device_mesh
 from parallelisms.module_class import with_mixin
 
+from .collectives import precompute_scales
 from .group import ParamGroup
 from .param import FSDPParam
 from .policy import MixedPrecisionPolicy
@@ -270,6 +271,15 @@ def _check_dtypes(params: list[FSDPParam], policy: MixedPrecisionPolicy) -> None
             f"fully_shard groups parameters of dtypes {sorted(map(str, dtypes))} into one all-gather; "
             f"set MixedPrecisionPolicy(param_dtype=...) or fully_shard the differing submodules separately"
         )
+
+
+def precompute_all_gather_scales(modules: nn.Module | list[nn.Module]) -> None:
+    """Compute the scales of every cast all-gather parameter (param.py; float8) under `modules` now, in one
+    MAX all-reduce per shard group, for their next forward's all-gathers, which then issue none. Call it
+    after each optimizer step on every rank (torchtitan's `precompute_float8_dynamic_scale_for_fsdp`)."""
+    roots = modules if isinstance(modules, list) else [modules]
+    states = {id(m._fsdp_state): m._fsdp_state for r in roots for m in r.modules() if isinstance(m, FSDPModule)}
+    precompute_scales([s.group.buffers for s in states.values()])
 
 
 def _states(module: FSDPModule, recurse: bool) -> list[FSDPState]:

@@ -64,12 +64,13 @@ class ParamGroup:
         self.buffers.use_blocks(k)
 
     # ------------------------------------------------------------------------------ parameters
-    def unshard(self, *, async_op: bool = False, post_forward_ok: bool = True) -> None:
+    def unshard(self, *, async_op: bool = False, post_forward_ok: bool = True, fresh_scales: bool = True) -> None:
         """All-gather the group (one collective) and register the unsharded parameters; with
         `async_op` only issue the all-gather (a prefetch) and leave the rest to `wait_unshard`.
 
         `post_forward_ok=False` (a forward) drops a post-forward shard and gathers from the sharded
-        parameters, which an optimizer step may have changed since that shard was kept."""
+        parameters, which an optimizer step may have changed since that shard was kept.
+        `fresh_scales=False` (a backward) gathers cast parameters with their forward's scales."""
         if self.state is ShardedState.UNSHARDED or not self.params:
             return
         if self._gathering is None:
@@ -80,7 +81,8 @@ class ParamGroup:
                 assert shard is not None, "SHARDED_POST_FORWARD keeps a shard until it is gathered"
                 self._gathering = self.buffers.start_block_all_gather(shard, async_op=async_op)
             else:
-                self._gathering = self.buffers.start_all_gather(self.policy.param_dtype, async_op=async_op)
+                dtype = self.policy.param_dtype
+                self._gathering = self.buffers.start_all_gather(dtype, async_op=async_op, fresh_scales=fresh_scales)
         if not async_op:
             self.wait_unshard()
 

@@ -25,6 +25,16 @@ contiguous range at an exact global offset (see placements._StridedShard).
 Slot: in the group's flat buffers every rank contributes `rows * row_numel` elements per parameter
 (its shard flattened and zero-padded), so buffer offsets are identical on every rank; collectives.py
 lays the slots out and moves them.
+
+Cast all-gather: a parameter that carries `fsdp_all_gather_cast` (an object with a `dtype` and
+`scales(amax, source_dtype) -> (scale, inverse)`, e.g. models.float8.Float8AllGather) is gathered in that
+dtype with one scale for the whole tensor: the max of the shards' amaxes (one all-reduce for the group
+at each forward's all-gather; a backward's gathers the same bytes with that scale). Each shard is
+multiplied by the scale and rounded, and the low-precision slots are all-gathered. The unsharded
+parameter then holds no data: it keeps the global shape and the gather's high-precision dtype as the
+leaf that receives the gradient, and its `precast` attribute is the (gathered data, inverse scale) pair
+its module reads instead (models.float8). Only a parameter of one module and no TP qualifies: a tied
+weight's other reader, or TP's DTensor code, would read the missing data.
 """
 
 from __future__ import annotations
@@ -90,6 +100,11 @@ class FSDPParam:
         self._padded: torch.Tensor | None = None  # (world * rows, *rest) storage behind `unsharded`
         self.accumulated_grad: torch.Tensor | None = None  # unsynced grads (set_requires_gradient_sync)
         self.on_grad_ready: Callable[[FSDPParam], None] | None = None  # set by the owning group
+        cast = getattr(param, "fsdp_all_gather_cast", None)
+        self.cast = cast if cast is not None and self.tp_spec is None and len(owners) == 1 else None
+        self.scale: torch.Tensor | None = None  # the cast's scale and inverse scale (see the module doc)
+        self.inverse: torch.Tensor | None = None
+        self.precomputed = False  # the scale was computed after the last optimizer step: the next forward takes it
 
     def local_shard(self) -> torch.Tensor:
         """This rank's torch.chunk piece of the sharded parameter (what the optimizer updates)."""
@@ -113,14 +128,33 @@ class FSDPParam:
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.unsharded):
             self._padded.view(self.world, self.slot_numel).copy_(gathered)
 
-    def _build_unsharded(self, dtype: torch.dtype, device: torch.device) -> None:
+    def fill_precast(self, gathered: torch.Tensor, dtype: torch.dtype) -> None:
+        """Cast all-gather: keep the gathered low-precision slots (world, slot_numel) and hand them, with
+        the inverse scale, to the unsharded parameter of `dtype` (which stays without data) as `precast`."""
+        if self.unsharded is None or self.unsharded.dtype != dtype:
+            self._build_unsharded(dtype, gathered.device, data=False)
+        if self._padded is None or self._padded.dtype != gathered.dtype:
+            self._padded = torch.empty(self.world * self.rows, *self.unsharded_shape[1:], dtype=gathered.dtype,
+                                       device=gathered.device)  # fmt: skip
+        storage = self._padded.untyped_storage()
+        if storage.size() == 0:
+            storage.resize_(self._padded.numel() * self._padded.element_size())
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self._padded):
+            self._padded.view(self.world, self.slot_numel).copy_(gathered)
+        assert self.unsharded is not None
+        self.unsharded.precast = (self._padded[: self.unsharded_shape[0]], self.inverse)  # type: ignore[attr-defined]
+
+    def _build_unsharded(self, dtype: torch.dtype, device: torch.device, *, data: bool = True) -> None:
         padded = torch.empty(self.world * self.rows, *self.unsharded_shape[1:], dtype=dtype, device=device)
-        self._padded = padded
-        data: torch.Tensor = padded[: self.unsharded_shape[0]]
+        data_view: torch.Tensor = padded[: self.unsharded_shape[0]]
+        if data:
+            self._padded = padded
+        else:  # a precast parameter's leaf: the shape and dtype of the weight, no bytes
+            padded.untyped_storage().resize_(0)
         if self.tp_spec is not None:  # the TP DTensor the module code expects, over this storage
             tp = self.tp_spec
-            data = DTensor.from_local(data, tp.mesh, tp.placements, shape=tp.shape, stride=tp.stride)
-        self.unsharded = nn.Parameter(data, requires_grad=self.requires_grad)
+            data_view = DTensor.from_local(data_view, tp.mesh, tp.placements, shape=tp.shape, stride=tp.stride)
+        self.unsharded = nn.Parameter(data_view, requires_grad=self.requires_grad)
         if self.requires_grad and self.on_grad_ready is not None:
             # weakly: gc does not traverse a tensor's hooks, so a strong reference here would keep
             # this parameter, its state and the whole model alive after the model is dropped
@@ -131,6 +165,24 @@ class FSDPParam:
         """The unsharded storage as (world, slot_numel): row r is rank r's padded shard."""
         assert self._padded is not None and self._padded.untyped_storage().size() > 0, "not unsharded"
         return self._padded.view(self.world, self.slot_numel)
+
+    # ------------------------------------------------------------------------------ cast all-gather
+    def local_amax(self) -> torch.Tensor:
+        """max |shard| in float64, 0-d (0 for an empty shard)."""
+        local = self.local_shard().detach()
+        if local.numel() == 0:
+            return local.new_zeros((), dtype=torch.float64)
+        return torch.linalg.vector_norm(local, float("inf"), dtype=torch.float64)
+
+    def set_scale(self, amax: torch.Tensor) -> None:
+        """The cast's scale from the whole parameter's amax (the max over the shard group)."""
+        assert self.cast is not None
+        self.scale, self.inverse = self.cast.scales(amax, self.local_shard().dtype)
+
+    def cast_shard(self) -> torch.Tensor:
+        """(local_numel,) this rank's shard times the scale, rounded to the cast's dtype."""
+        assert self.cast is not None and self.scale is not None
+        return torch.mul(self.local_shard().detach().reshape(-1), self.scale).to(self.cast.dtype)
 
     def free_unsharded(self) -> None:
         """Release the unsharded data (the tensor object survives for autograd's saved references)."""

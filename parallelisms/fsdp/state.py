@@ -152,7 +152,7 @@ class FSDPState:
             if not self._forward_pending:  # the group's first module this forward
                 self._forward_pending = {id(m) for m in self.modules}
             if recompute:
-                self.group.unshard()
+                self.group.unshard(fresh_scales=False)
             else:
                 targets = self._forward_targets()
                 self.group.unshard(post_forward_ok=False)
@@ -190,7 +190,7 @@ class FSDPState:
     def _pre_backward(self, grad: torch.Tensor) -> None:
         if self.training_state in (IDLE, FORWARD):  # this group's first output grad of this backward
             self._begin_backward()
-            self.group.unshard()  # also when it stayed unsharded (reshard_after_backward=False)
+            self.group.unshard(fresh_scales=False)  # also when it stayed unsharded (reshard_after_backward=False)
         if self.training_state is PRE_BACKWARD:  # POST_BACKWARD: a late grad of an output without params
             self._prefetch(self._backward_targets(), in_forward=False)
 
@@ -276,7 +276,7 @@ class FSDPState:
         group whose backward is over is not gathered again."""
         for target in targets:
             if target.training_state is not POST_BACKWARD:
-                target.group.unshard(async_op=True, post_forward_ok=not in_forward)
+                target.group.unshard(async_op=True, post_forward_ok=not in_forward, fresh_scales=in_forward)
 
 
 def _cast_floating(x: Any, dtype: torch.dtype) -> Any:

@@ -5,6 +5,7 @@ with the high-precision one."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -59,13 +60,35 @@ def test_float8_stays_with_the_high_precision_run(tmp_path: Path) -> None:
     assert float8 == pytest.approx(reference, rel=0.02), (reference, float8)
 
 
+FSDP_FLOAT8 = [  # torchtitan's 405B settings: float8 all-gathers, their scales precomputed after each step
+    "--quantize.linear.float8.enable_fsdp_float8_all_gather", "true",
+    "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp", "true",
+]  # fmt: skip
+_NUMBERS = re.compile(r"loss [\d.]+ \| grad_norm [\d.]+")
+
+
+def test_float8_all_gather_trains_bitwise_like_gathering_then_casting(tmp_path: Path) -> None:
+    """FSDP(2): a weight's shards cast with the whole weight's scale, then gathered, are the bytes of the
+    gathered weight cast (tests/fsdp/test_float8_all_gather.py), so every logged loss and gradient norm is
+    the same to the last printed digit with the keys on as off."""
+    runs = [
+        run_world(_train_rank, 2, [*JOB, *FLOAT8, *keys, "--training.local_batch_size", "2",
+                                   "--job.dump_folder", str(tmp_path / str(i))])[0]
+        for i, keys in enumerate(([], FSDP_FLOAT8))
+    ]  # fmt: skip
+    plain, cast = ([m.group(0) for line in lines if (m := _NUMBERS.search(line))] for lines in runs)
+    assert len(plain) == 4 and plain == cast, (plain, cast)
+
+
 @pytest.mark.e2e
 def test_run_train_sh_trains_fsdp2_in_float8_like_one_process(tmp_path: Path) -> None:
-    """The default job (FSDP over 2 CPU ranks) with float8 linears, through torchrun: exit 0, the linears
-    converted and the output left out, and one process's float8 losses (two sequences a rank, as its)."""
+    """The default job (FSDP over 2 CPU ranks) with float8 linears gathered in float8, through torchrun: exit
+    0, the linears converted and the output left out, and one process's float8 losses (two sequences a rank,
+    as its)."""
     reference = one_process_float8(tmp_path / "one", 2)
     run = subprocess.run(
-        ["./run_train.sh", *JOB, *FLOAT8, "--training.local_batch_size", "2", "--job.dump_folder", str(tmp_path)],
+        ["./run_train.sh", *JOB, *FLOAT8, *FSDP_FLOAT8, "--training.local_batch_size", "2",
+         "--job.dump_folder", str(tmp_path)],
         cwd=REPO, env={**os.environ, "NGPU": "2"}, capture_output=True, text=True, timeout=180,
     )  # fmt: skip
     out = run.stdout + run.stderr
