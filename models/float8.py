@@ -153,11 +153,12 @@ class Float8Linear(nn.Linear):
 
 @dataclass(frozen=True)
 class Float8AllGather:
-    """Set on a Float8Linear's weight as `fsdp_all_gather_cast` (torchtitan's `enable_fsdp_float8_all_gather`):
-    fully_shard then casts each shard to `dtype` with the whole weight's tensorwise scale before the all-gather,
-    a quarter of float32's bytes (half of bf16's), and hands the linear the gathered e4m3 weight and its
-    inverse scale as the unsharded parameter's `precast` (parallelisms/fsdp/param.py). The bytes are those
-    the linear would cast from the gathered weight: the scale comes from the max of the shards' amaxes."""
+    """A Float8Linear's `fsdp_all_gather_casts = {"weight": Float8AllGather()}` (torchtitan's
+    `enable_fsdp_float8_all_gather`): fully_shard casts each shard of the weight to `dtype` with the whole
+    weight's tensorwise scale before the all-gather, a quarter of float32's bytes (half of bf16's), and hands
+    the linear the gathered e4m3 weight and its inverse scale as the unsharded parameter's `precast`
+    (parallelisms/fsdp/param.py). The bytes are those the linear would cast from the gathered weight: the
+    scale comes from the max of the shards' amaxes (under TP too, over the TP shards)."""
 
     dtype: torch.dtype = E4M3
 
@@ -187,7 +188,7 @@ def convert_to_float8_training(
             continue
         Float8Linear.from_linear(module, emulate=emulate)
         if fsdp_float8_all_gather:
-            module.weight.fsdp_all_gather_cast = Float8AllGather()  # type: ignore[attr-defined]
+            module.fsdp_all_gather_casts = {"weight": Float8AllGather()}  # type: ignore[assignment]
         converted.append(fqn)
     return converted
 

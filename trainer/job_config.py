@@ -291,8 +291,8 @@ class Compile:
 class Float8Linear:
     enable_fsdp_float8_all_gather: bool = False
     """FSDP all-gathers the float8 linears' weights in float8: each shard cast with the whole weight's scale (the
-    same bytes as casting after the gather), a quarter of float32's all-gather bytes, half of bf16's. Weights
-    that tensor parallelism shards are gathered in mixed_precision_param and cast after (warned)."""
+    same bytes as casting after the gather), a quarter of float32's all-gather bytes, half of bf16's; under TP
+    too (the scale's amax then spans the TP shards)."""
     precompute_float8_dynamic_scale_for_fsdp: bool = False
     """With enable_fsdp_float8_all_gather: every float8 weight's scale computed after the optimizer step in one
     all-reduce, instead of one per FSDP group at its forward all-gather."""

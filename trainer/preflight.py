@@ -204,12 +204,6 @@ def _float8_warnings(cfg: JobConfig) -> list[str]:
         ]
     if dims.data_parallel_shard_degree == 1:
         return [f"{key}.enable_fsdp_float8_all_gather has no effect: data_parallel_shard_degree is 1 (no FSDP)"]
-    if dims.tensor_parallel_degree > 1:
-        return [
-            f"{key}.enable_fsdp_float8_all_gather: the weights that tensor parallelism shards are all-gathered in "
-            "mixed_precision_param and cast after (the same float8 values, more bytes); the float8 all-gather covers "
-            "FSDP-only weights"
-        ]
     return []
 
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from parallelisms.dtensor import DeviceMesh, collectives
+from parallelisms.dtensor import DeviceMesh, DTensor, Partial, Replicate, collectives
 from parallelisms.dtensor.collectives import InFlight
 
 from .param import FSDPParam
@@ -125,7 +125,7 @@ class FlatBuffers:
             if p.cast is not None and (p.scale is None or (fresh and not p.precomputed)):
                 stale.append(p)
             p.precomputed = p.precomputed and not fresh
-        _all_reduce_scales(self, stale)
+        _all_reduce_scales(stale)
 
     def _lay_out_bytes(self, dtype: torch.dtype | None) -> None:
         if self._byte_offsets and self._byte_dtype == dtype:
@@ -203,26 +203,26 @@ def _gather_dtype(p: FSDPParam, dtype: torch.dtype | None) -> torch.dtype:
 
 
 def precompute_scales(buffers: list[FlatBuffers]) -> None:
-    """The cast scales of every cast parameter of these groups, from one MAX all-reduce per shard group, for
-    their next forward's all-gathers (torchtitan's `precompute_float8_dynamic_scale_for_fsdp`: after the
-    optimizer step, one collective for the whole model instead of one per group). Every rank calls it."""
-    by_group: dict[int, tuple[FlatBuffers, list[FSDPParam]]] = {}
-    for b in buffers:
-        cast = [p for p in b.params if p.cast is not None]
-        if cast:
-            by_group.setdefault(id(b.mesh.get_group(b.shard_dim)), (b, []))[1].extend(cast)
-    for b, params in by_group.values():
-        _all_reduce_scales(b, params)
-        for p in params:
-            p.precomputed = True
+    """The cast scales of every cast parameter of these groups, from one MAX all-reduce per mesh, for their
+    next forward's all-gathers (torchtitan's `precompute_float8_dynamic_scale_for_fsdp`: after the optimizer
+    step, one collective for the whole model instead of one per group). Every rank calls it."""
+    params = [p for b in buffers for p in b.params if p.cast is not None]
+    _all_reduce_scales(params)
+    for p in params:
+        p.precomputed = True
 
 
-def _all_reduce_scales(b: FlatBuffers, params: list[FSDPParam]) -> None:
-    """Each parameter's scale from the max of its shards' amaxes over `b`'s shard group (one all-reduce)."""
-    if not params:
-        return
-    with torch.no_grad():
-        amaxes = torch.stack([p.local_amax() for p in params])
-        amaxes = collectives.all_reduce(amaxes, "max", b.mesh.get_group(b.shard_dim), b.world)
-    for p, amax in zip(params, amaxes):
-        p.set_scale(amax)
+def _all_reduce_scales(params: list[FSDPParam]) -> None:
+    """Each parameter's scale from the max of its shards' amaxes: an all-reduce (MAX) over the mesh dims that
+    shard it (FSDP's, and TP's where it shards the weight), one for all the parameters on the same mesh."""
+    by_mesh: dict[tuple, list[FSDPParam]] = {}
+    for p in params:
+        by_mesh.setdefault((p.spec_mesh, tuple(p.placements)), []).append(p)
+    for (mesh, placements), group in by_mesh.items():
+        # every dim that splits the weight (Shard, or FSDP's _StridedShard inside TP's dim-0 shards) reduces
+        partial = [Replicate() if isinstance(p, Replicate) else Partial("max") for p in placements]
+        with torch.no_grad():
+            amaxes = torch.stack([p.local_amax() for p in group])
+            amaxes = DTensor.from_local(amaxes, mesh, partial, run_check=False).full_tensor()
+        for p, amax in zip(group, amaxes):
+            p.set_scale(amax)

@@ -26,15 +26,16 @@ Slot: in the group's flat buffers every rank contributes `rows * row_numel` elem
 (its shard flattened and zero-padded), so buffer offsets are identical on every rank; collectives.py
 lays the slots out and moves them.
 
-Cast all-gather: a parameter that carries `fsdp_all_gather_cast` (an object with a `dtype` and
-`scales(amax, source_dtype) -> (scale, inverse)`, e.g. models.float8.Float8AllGather) is gathered in that
-dtype with one scale for the whole tensor: the max of the shards' amaxes (one all-reduce for the group
-at each forward's all-gather; a backward's gathers the same bytes with that scale). Each shard is
-multiplied by the scale and rounded, and the low-precision slots are all-gathered. The unsharded
-parameter then holds no data: it keeps the global shape and the gather's high-precision dtype as the
-leaf that receives the gradient, and its `precast` attribute is the (gathered data, inverse scale) pair
-its module reads instead (models.float8). Only a parameter of one module and no TP qualifies: a tied
-weight's other reader, or TP's DTensor code, would read the missing data.
+Cast all-gather: a parameter whose module names it in `fsdp_all_gather_casts` ({parameter name: an object
+with a `dtype` and `scales(amax, source_dtype) -> (scale, inverse)`}, e.g. models.float8.Float8AllGather;
+on the module, so it survives TP replacing the parameter) is gathered in that dtype with one scale for the
+whole tensor: the max of the shards' amaxes, over the dp shard dim and any TP dim that shards it (one
+all-reduce for the group at each forward's all-gather; a backward's gathers the same bytes with that
+scale). Each shard is multiplied by the scale and rounded, and the low-precision slots are all-gathered.
+The unsharded parameter then holds no data: it keeps the global shape and the gather's high-precision
+dtype (a TP DTensor under TP) as the leaf that receives the gradient, and its `precast` attribute is the
+(gathered data, inverse scale) pair its module reads instead (models.float8). Only a parameter of one
+module qualifies: a tied weight's other reader would read the missing data.
 """
 
 from __future__ import annotations
@@ -100,8 +101,8 @@ class FSDPParam:
         self._padded: torch.Tensor | None = None  # (world * rows, *rest) storage behind `unsharded`
         self.accumulated_grad: torch.Tensor | None = None  # unsynced grads (set_requires_gradient_sync)
         self.on_grad_ready: Callable[[FSDPParam], None] | None = None  # set by the owning group
-        cast = getattr(param, "fsdp_all_gather_cast", None)
-        self.cast = cast if cast is not None and self.tp_spec is None and len(owners) == 1 else None
+        casts = getattr(owners[0][0], "fsdp_all_gather_casts", None) if len(owners) == 1 else None
+        self.cast = casts.get(owners[0][1]) if casts else None
         self.scale: torch.Tensor | None = None  # the cast's scale and inverse scale (see the module doc)
         self.inverse: torch.Tensor | None = None
         self.precomputed = False  # the scale was computed after the last optimizer step: the next forward takes it
@@ -142,7 +143,11 @@ class FSDPParam:
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self._padded):
             self._padded.view(self.world, self.slot_numel).copy_(gathered)
         assert self.unsharded is not None
-        self.unsharded.precast = (self._padded[: self.unsharded_shape[0]], self.inverse)  # type: ignore[attr-defined]
+        data: torch.Tensor = self._padded[: self.unsharded_shape[0]]
+        if self.tp_spec is not None:  # the TP shard of the weight, as the module's TP code expects it
+            tp = self.tp_spec
+            data = DTensor.from_local(data, tp.mesh, tp.placements, shape=tp.shape, stride=tp.stride)
+        self.unsharded.precast = (data, self.inverse)  # type: ignore[attr-defined]
 
     def _build_unsharded(self, dtype: torch.dtype, device: torch.device, *, data: bool = True) -> None:
         padded = torch.empty(self.world * self.rows, *self.unsharded_shape[1:], dtype=dtype, device=device)

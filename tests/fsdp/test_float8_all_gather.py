@@ -50,20 +50,29 @@ class Tiny(nn.Module):
         return self.out(x)
 
 
-def _build(all_gather: bool, *, mesh_shape: tuple[int, ...], reshard: bool | int = True, recompute: bool = False):
+def _build(
+    all_gather: bool, *, mesh_shape: tuple[int, ...], reshard: bool | int = True, recompute: bool = False,
+    tp: bool = False,
+):  # fmt: skip
+    """The model in float8, fully_shard per block and at the root; with `tp` the mesh is (dp, tp) and each block
+    is TP'd first (w1 Colwise, w2 Rowwise: FSDP x TP)."""
     from models.float8 import convert_to_float8_training
     from parallelisms.dtensor import init_device_mesh
     from parallelisms.fsdp import fully_shard
+    from parallelisms.tensor_parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     torch.manual_seed(0)
     model = Tiny()
     converted = convert_to_float8_training(model, filter_fqns=["out"], fsdp_float8_all_gather=all_gather)
     assert converted == ["blocks.0.w1", "blocks.0.w2", "blocks.1.w1", "blocks.1.w2"]
-    mesh = init_device_mesh("cpu", mesh_shape)
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "tp") if tp else None)
+    dp = mesh["dp"] if tp else mesh
     for block in model.blocks:
         block.recompute = recompute
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh)
+        if tp:
+            parallelize_module(block, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+        fully_shard(block, mesh=dp, reshard_after_forward=reshard)
+    fully_shard(model, mesh=dp)
     return model
 
 
@@ -75,11 +84,11 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _train(model: nn.Module, steps: int, *, precompute: bool = False, microbatches: int = 1):
-    """(losses, every parameter's full tensor, per-step collective counts and bytes) of fused-AdamW steps."""
+    """(losses, every parameter's full tensor, per-step collective counts and bytes) of AdamW steps."""
     from parallelisms.dtensor.debug import CommDebugMode
     from parallelisms.fsdp import precompute_all_gather_scales
 
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)  # per parameter: a 1-D and a 2-D mesh
     losses, counts, nbytes = [], [], []
     for step in range(steps):
         idx, tgt = _batch(step)
@@ -100,13 +109,10 @@ def _train(model: nn.Module, steps: int, *, precompute: bool = False, microbatch
     return losses, params, counts, nbytes
 
 
-def _compare(mesh_shape: tuple[int, ...], reshard: bool | int = True, recompute: bool = False, microbatches: int = 1):
-    plain = _train(_build(False, mesh_shape=mesh_shape, reshard=reshard, recompute=recompute), 3,
-                   microbatches=microbatches)  # fmt: skip
-    cast = _train(_build(True, mesh_shape=mesh_shape, reshard=reshard, recompute=recompute), 3,
-                  microbatches=microbatches)  # fmt: skip
-    precomputed = _train(_build(True, mesh_shape=mesh_shape, reshard=reshard, recompute=recompute), 3,
-                         precompute=True, microbatches=microbatches)  # fmt: skip
+def _compare(mesh_shape: tuple[int, ...], microbatches: int = 1, **build):
+    plain = _train(_build(False, mesh_shape=mesh_shape, **build), 3, microbatches=microbatches)
+    cast = _train(_build(True, mesh_shape=mesh_shape, **build), 3, microbatches=microbatches)
+    precomputed = _train(_build(True, mesh_shape=mesh_shape, **build), 3, precompute=True, microbatches=microbatches)
     return plain, cast, precomputed
 
 
@@ -151,6 +157,8 @@ def _variants() -> list[str]:
         "HSDP (2, 2)": {"mesh_shape": (2, 2)},
         "activation checkpointing": {"mesh_shape": (2, 2), "recompute": True},
         "no reshard after forward, accumulation": {"mesh_shape": (4,), "reshard": False, "microbatches": 2},
+        # the amax over the dp shards of each TP shard and the TP shards (FSDP's _StridedShard inside Colwise)
+        "FSDP (2) x TP (2)": {"mesh_shape": (2, 2), "tp": True},
     }.items():
         plain, cast, precomputed = _compare(**kwargs)
         _bitwise(plain, cast)
@@ -161,8 +169,8 @@ def _variants() -> list[str]:
 
 def test_float8_all_gather_composes() -> None:
     """The post-forward shard kept in float8 bytes, replicas of the shards, recomputation reading the
-    precast weight, gradient accumulation: each bitwise the plain float8 run."""
-    assert len(run_world(_variants, 4)[0]) == 4
+    precast weight, gradient accumulation, TP: each bitwise the plain float8 run."""
+    assert len(run_world(_variants, 4)[0]) == 5
 
 
 def _leaves() -> dict:
