@@ -150,7 +150,7 @@ class FlatBuffers:
                 if p.cast is None and dtype is not None:
                     local = local.to(dtype)
                 data = local.view(torch.uint8)
-                pieces += [data, data.new_zeros(size - data.numel())]
+                pieces += [data, data.new_zeros(size - data.numel())] if size > data.numel() else [data]
         return torch.cat(pieces)
 
     def _copy_out_bytes(self, gathered: torch.Tensor) -> None:
@@ -203,7 +203,7 @@ def _gather_dtype(p: FSDPParam, dtype: torch.dtype | None) -> torch.dtype:
 
 
 def precompute_scales(buffers: list[FlatBuffers]) -> None:
-    """The cast scales of every cast parameter of these groups, from one MAX all-reduce per mesh, for their
+    """The cast scales of every cast parameter of these groups, from one MAX all-reduce per layout, for their
     next forward's all-gathers (torchtitan's `precompute_float8_dynamic_scale_for_fsdp`: after the optimizer
     step, one collective for the whole model instead of one per group). Every rank calls it."""
     params = [p for b in buffers for p in b.params if p.cast is not None]
@@ -214,7 +214,7 @@ def precompute_scales(buffers: list[FlatBuffers]) -> None:
 
 def _all_reduce_scales(params: list[FSDPParam]) -> None:
     """Each parameter's scale from the max of its shards' amaxes: an all-reduce (MAX) over the mesh dims that
-    shard it (FSDP's, and TP's where it shards the weight), one for all the parameters on the same mesh."""
+    shard it (FSDP's, and TP's where it shards the weight), one for all the parameters laid out alike."""
     by_mesh: dict[tuple, list[FSDPParam]] = {}
     for p in params:
         by_mesh.setdefault((p.spec_mesh, tuple(p.placements)), []).append(p)
