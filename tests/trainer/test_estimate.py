@@ -9,6 +9,7 @@ import math
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -229,16 +230,19 @@ def test_float8_matmuls_run_at_the_float8_peak_and_their_casts_cost_memory_traff
     cast fuses into a read and a write and the step is shorter. A100s have no float8 tensor cores: refused."""
     eight = ("--training.local_batch_size", "2", "--parallelism.data_parallel_shard_degree", "8")
     float8 = ("--model.converters", "float8", "--quantize.linear.float8.filter_fqns", "output")
-    runs = {name: estimate_json("llama3_8b", 8, *eight, *extra, device="h100") for name, extra in (
-        ("bf16", ()), ("eager", float8), ("compiled", (*float8, "--compile.enable")),
-    )}  # fmt: skip
+    variants = {"bf16": (), "eager": float8, "compiled": (*float8, "--compile.enable")}
+    with ThreadPoolExecutor(2) as pool:  # two interpreters at a time: each estimate runs on one core
+        futures = {name: pool.submit(estimate_json, "llama3_8b", 8, *eight, *extra, device="h100")
+                   for name, extra in variants.items()}  # fmt: skip
+        refused = pool.submit(run_estimate, "--model.converters", "float8", "--world_size", "8", "--device", "a100")
+        runs = {name: future.result() for name, future in futures.items()}
     flops = {name: run["ranks"][0]["executed_flops_per_step"] for name, run in runs.items()}
     assert flops["bf16"] == flops["eager"] == flops["compiled"]
     assert runs["bf16"]["ranks"][0]["float8_flops_per_step"] == 0
     assert 0.6 < runs["eager"]["ranks"][0]["float8_flops_per_step"] / flops["eager"] < 1  # the linears, not output
     steps = {name: run["step_time_s"] for name, run in runs.items()}
     assert steps["compiled"] < steps["eager"] < 1.05 * steps["bf16"], steps
-    done = run_estimate("--model.converters", "float8", "--world_size", "8", "--device", "a100")
+    done = refused.result()
     assert done.returncode == 2 and "no float8 tensor cores" in done.stderr, done.stderr
 
 
