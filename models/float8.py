@@ -16,9 +16,11 @@ forward's scales (saved): the same bytes, without a second amax.
 
 The code is plain torch, so it runs on DTensors as it does on one device: under tensor parallelism the
 amax of a sharded weight, activation or gradient is a `Partial("max")`, all-reduced once (a scalar), which
-makes every rank's cast the one device's cast bit for bit; no float8 tensor is ever communicated. On the
-CPU `torch._scaled_mm` dequantizes and multiplies in float32, exactly what `emulate` does; CUDA needs sm_89
-or newer (H100, L4, B200).
+makes every rank's cast the one device's cast bit for bit; TP communicates no float8 tensor. FSDP can gather
+the weights in float8 instead of casting after the gather (`Float8AllGather`, torchtitan's
+`enable_fsdp_float8_all_gather`): the linear then reads the gathered weight and its inverse scale, and saves
+that e4m3 weight for the backward (FSDP frees it and gathers it again). On the CPU `torch._scaled_mm`
+dequantizes and multiplies in float32, exactly what `emulate` does; CUDA needs sm_89 or newer (H100, L4, B200).
 """
 
 from __future__ import annotations
