@@ -76,11 +76,32 @@ def _build(
     return model
 
 
-def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's share of a global batch (every rank gets different tokens)."""
-    g = torch.Generator().manual_seed(1000 * step + dist.get_rank())
+def _batch(step: int, rank: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank `rank`'s (default: this rank's) share of a global batch (every rank gets different tokens)."""
+    g = torch.Generator().manual_seed(1000 * step + (dist.get_rank() if rank is None else rank))
     idx = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
     return idx[:, :-1], idx[:, 1:]
+
+
+def _one_device(world: int, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The same float8 training on one device: each rank's batch a microbatch (so each activation is cast with
+    its rank's amax, as there), their mean loss's gradient; rank 0's losses and the final parameters."""
+    from models.float8 import convert_to_float8_training
+
+    torch.manual_seed(0)
+    model = Tiny()
+    convert_to_float8_training(model, filter_fqns=["out"])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    losses = []
+    for step in range(steps):
+        for rank in range(world):
+            x, y = _batch(step, rank)
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            (loss / world).backward()
+            losses += [loss.item()] if rank == 0 else []
+        opt.step()
+        opt.zero_grad()
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def _train(model: nn.Module, steps: int, *, precompute: bool = False, microbatches: int = 1):
@@ -127,6 +148,12 @@ def _fsdp2() -> dict:
     cast = _train(_build(True, mesh_shape=(2,)), 3)  # the scales computed at each forward's all-gather
     _bitwise(plain, cast)
     _bitwise(plain, precomputed)
+    # and both follow one device: float32 sums in another order (FSDP's reduce-scatter) can tip a float8 rounding
+    losses, params = _one_device(2, 3)
+    if dist.get_rank() == 0:
+        torch.testing.assert_close(cast[0], losses, rtol=0, atol=1e-3)
+    for name, value in params.items():
+        torch.testing.assert_close(cast[1][name], value, rtol=0, atol=1e-3, msg=name)
     return {"plain": plain[2:], "cast": cast[2:], "precomputed": precomputed[2:]}
 
 
