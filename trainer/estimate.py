@@ -112,6 +112,7 @@ class Estimate:
                     "collectives": [dataclasses.asdict(c) for c in r.trace.collectives],
                     "executed_flops_per_step": r.trace.executed_flops,
                     "float8_flops_per_step": r.trace.float8_flops,
+                    "float8_casts_per_step": r.trace.float8_casts,
                     "step_time_s": r.time.step_s,
                 }
                 for r in self.roles

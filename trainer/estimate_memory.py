@@ -166,7 +166,10 @@ class LiveBytes(TorchDispatchMode):
             self.flops += flops
             if packet is _aten._scaled_mm:
                 self.float8_flops += flops
-        elif packet is _aten._to_copy and kwargs.get("dtype") in FLOAT8_DTYPES and isinstance(out, torch.Tensor):
+        elif (
+            packet is _aten._to_copy and kwargs.get("dtype") in FLOAT8_DTYPES
+            and isinstance(out, torch.Tensor) and out.device.type != "meta"  # meta: a plan's shape propagation
+        ):  # fmt: skip
             self.float8_casts += out.numel()
         is_comm = packet in _COLLECTIVES
         for t in tree_leaves((out, args) if is_comm else out):

@@ -183,6 +183,7 @@ def test_estimated_peak_and_collectives_match_a_real_gloo_run(layout: str) -> No
         estimated = sorted((c["kind"], c["mesh_dim"], c["count"], c["bytes"]) for c in role["collectives"])
         assert estimated == real["collectives"]
         assert (role["float8_flops_per_step"], role["executed_flops_per_step"]) == real["float8"][::2]
+        assert role["float8_casts_per_step"] == real["float8"][1]  # elements cast, each priced as HBM traffic
         assert (role["float8_flops_per_step"] > 0) == ("float8" in layout)
         by_kind: dict[str, list[int]] = {}
         for kind, _, count, nbytes in estimated:
