@@ -121,13 +121,24 @@ class FSDPParam:
         unsharded storage (allocating it first). Rows past dim 0 are the padding and stay hidden."""
         if self.unsharded is None or self._padded is None or self._padded.dtype != gathered.dtype:
             self._build_unsharded(gathered.dtype, gathered.device)
-        assert self._padded is not None and self.unsharded is not None
+        self._refill(gathered)
+
+    def _refill(self, gathered: torch.Tensor) -> None:
+        """Copy `gathered` (world, slot_numel) into the padded storage, allocating it again if it was freed."""
+        assert self._padded is not None
         storage = self._padded.untyped_storage()
         if storage.size() == 0:
             storage.resize_(self._padded.numel() * self._padded.element_size())
         # The refill must not look like an in-place edit to the tensors autograd saved in forward.
-        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.unsharded):
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self._padded):
             self._padded.view(self.world, self.slot_numel).copy_(gathered)
+
+    def _as_module_tensor(self, local: torch.Tensor) -> torch.Tensor:
+        """`local` (this TP rank's rows) as the module code sees the parameter: the TP DTensor under TP."""
+        if self.tp_spec is None:
+            return local
+        tp = self.tp_spec
+        return DTensor.from_local(local, tp.mesh, tp.placements, shape=tp.shape, stride=tp.stride)
 
     def fill_precast(self, gathered: torch.Tensor, dtype: torch.dtype) -> None:
         """Cast all-gather: keep the gathered low-precision slots (world, slot_numel) and hand them, with
@@ -137,28 +148,18 @@ class FSDPParam:
         if self._padded is None or self._padded.dtype != gathered.dtype:
             self._padded = torch.empty(self.world * self.rows, *self.unsharded_shape[1:], dtype=gathered.dtype,
                                        device=gathered.device)  # fmt: skip
-        storage = self._padded.untyped_storage()
-        if storage.size() == 0:
-            storage.resize_(self._padded.numel() * self._padded.element_size())
-        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self._padded):
-            self._padded.view(self.world, self.slot_numel).copy_(gathered)
+        self._refill(gathered)
         assert self.unsharded is not None
-        data: torch.Tensor = self._padded[: self.unsharded_shape[0]]
-        if self.tp_spec is not None:  # the TP shard of the weight, as the module's TP code expects it
-            tp = self.tp_spec
-            data = DTensor.from_local(data, tp.mesh, tp.placements, shape=tp.shape, stride=tp.stride)
+        data = self._as_module_tensor(self._padded[: self.unsharded_shape[0]])
         self.unsharded.precast = (data, self.inverse)  # type: ignore[attr-defined]
 
     def _build_unsharded(self, dtype: torch.dtype, device: torch.device, *, data: bool = True) -> None:
         padded = torch.empty(self.world * self.rows, *self.unsharded_shape[1:], dtype=dtype, device=device)
-        data_view: torch.Tensor = padded[: self.unsharded_shape[0]]
+        data_view = self._as_module_tensor(padded[: self.unsharded_shape[0]])  # over this storage
         if data:
             self._padded = padded
         else:  # a precast parameter's leaf: the shape and dtype of the weight, no bytes
             padded.untyped_storage().resize_(0)
-        if self.tp_spec is not None:  # the TP DTensor the module code expects, over this storage
-            tp = self.tp_spec
-            data_view = DTensor.from_local(data_view, tp.mesh, tp.placements, shape=tp.shape, stride=tp.stride)
         self.unsharded = nn.Parameter(data_view, requires_grad=self.requires_grad)
         if self.requires_grad and self.on_grad_ready is not None:
             # weakly: gc does not traverse a tensor's hooks, so a strong reference here would keep
