@@ -74,6 +74,27 @@ class StepResult:
     p2p_batches: int = 0  # batch_isend_irecv calls: one per run of consecutive transfers
 
 
+@dataclass
+class _StepState:
+    """What one step's actions hand each other: activations, pending transfers, losses."""
+
+    inputs: Sequence[torch.Tensor] | None
+    targets: Sequence[torch.Tensor] | None
+    sync_grads: bool
+    last_weights: dict[int, int]  # stage -> index of the action that completes its weight gradients
+    live: dict[tuple[int, int], _Activations] = field(default_factory=dict)  # (stage, microbatch)
+    recvs: dict[tuple[int, ActionKind, int], PendingRecv] = field(default_factory=dict)
+    sends: list[PendingSend] = field(default_factory=list)  # posted, not known to be finished
+    transfers: Transfers = field(default_factory=Transfers)
+    losses: dict[int, torch.Tensor] = field(default_factory=dict)  # microbatch -> the last stage's loss
+    peak_live: dict[int, int] = field(default_factory=dict)
+
+
+def _microbatch(action: Action) -> int:
+    assert action.microbatch is not None, f"{action}: a per-microbatch action without a microbatch"
+    return action.microbatch
+
+
 class PipelineSchedule:
     """Runs `actions` (this rank's lowered list) over `stages` (this rank's stages) once per `step`."""
 
@@ -98,6 +119,12 @@ class PipelineSchedule:
         missing = sorted({a.stage for a in actions} - set(self.stages))
         if missing:
             raise ValueError(f"the schedule runs stages {missing}, which this rank does not hold")
+        self._handlers: dict[ActionKind, Callable[[_StepState, int, Action], None]] = {
+            ActionKind.RECV_F: self._on_recv, ActionKind.RECV_B: self._on_recv,
+            ActionKind.F: self._on_forward, ActionKind.SEND_F: self._on_send_forward,
+            ActionKind.B: self._on_backward, ActionKind.I: self._on_backward,
+            ActionKind.W: self._on_weight_backward, ActionKind.SEND_B: self._on_send_backward,
+        }  # fmt: skip
 
     def step(
         self, inputs: Sequence[torch.Tensor] | None, targets: Sequence[torch.Tensor] | None, *, sync_grads: bool = True
@@ -108,98 +135,102 @@ class PipelineSchedule:
         A stage whose module reduces gradients across data-parallel ranks (FSDP, DDP:
         `set_requires_gradient_sync`) reduces them once, in its last backward of the step, with `sync_grads`
         (torch's REDUCE_GRAD), and not at all without (gradient accumulation over several steps' calls)."""
-        last_weights = _last_weight_actions(self.actions)
-        live: dict[tuple[int, int], _Activations] = {}
-        recvs: dict[tuple[int, ActionKind, int], PendingRecv] = {}
-        sends: list[PendingSend] = []
-        transfers = Transfers()
-        result, result_losses = StepResult(), {}
+        state = _StepState(inputs, targets, sync_grads, _last_weight_actions(self.actions))
         for index, action in enumerate(self.actions):
-            stage = self.stages[action.stage]
-            s, m = action.stage, action.microbatch
-            assert m is not None
-            kind = action.kind
-            if kind not in _P2P:
-                transfers.post()  # the run of transfers before this compute, as one batch
-                sends = [send for send in sends if not send.completed()]  # free what finished sending
-            if kind is ActionKind.RECV_F:
-                assert stage.input_meta is not None
-                recvs[s, kind, m] = transfers.recv(stage.input_meta, stage.peer(s - 1), stage.device, stage.group)
-            elif kind is ActionKind.RECV_B:
-                assert stage.output_meta is not None
-                recvs[s, kind, m] = transfers.recv(stage.output_meta, stage.peer(s + 1), stage.device, stage.group)
-            elif kind is ActionKind.F:
-                acts = live.setdefault((s, m), _Activations())
-                self._forward(stage, m, acts, live, recvs, inputs, targets)
-                count = sum(1 for key in live if key[0] == s)
-                result.peak_live_microbatches[s] = max(result.peak_live_microbatches.get(s, 0), count)
-            elif kind is ActionKind.SEND_F:
-                assert live[s, m].output is not None
-                sends.append(transfers.send(live[s, m].output.detach(), stage.peer(s + 1), stage.group))  # type: ignore[union-attr]
-            elif kind in (ActionKind.B, ActionKind.I):
-                _set_gradient_sync(stage.module, sync_grads, last=index == last_weights[s])
-                loss = self._backward(stage, m, live, recvs, weights=kind is ActionKind.B)
-                if loss is not None:
-                    result_losses[m] = loss
-            elif kind is ActionKind.W:
-                _set_gradient_sync(stage.module, sync_grads, last=False)  # its hooks (FSDP's pre-backward) only stash
-                self._weight_backward(stage, m, live)
-                if index == last_weights[s]:
-                    _finish_weight_backward(stage.module, sync_grads)
-            elif kind is ActionKind.SEND_B:
-                acts = live[s, m]
-                assert acts.input_grad is not None, f"stage {s} microbatch {m}: SEND_B before its B or I"
-                sends.append(transfers.send(acts.input_grad, stage.peer(s - 1), stage.group))
-                acts.grad_gone = True
-                _release(live, s, m)
-        transfers.post()
-        result.p2p_batches = transfers.batches
-        for send in sends:
+            if action.kind not in _P2P:
+                state.transfers.post()  # the run of transfers before this compute, as one batch
+                state.sends = [send for send in state.sends if not send.completed()]  # free what finished sending
+            self._handlers[action.kind](state, index, action)
+        state.transfers.post()
+        for send in state.sends:
             send.wait()
-        if live or recvs:
+        if state.live or state.recvs:
             raise RuntimeError(
-                f"the schedule left (stage, microbatch) activations {sorted(live)} and receives "
-                f"{sorted((s, k.value, m) for s, k, m in recvs)} unconsumed: it is not a whole step"
+                f"the schedule left (stage, microbatch) activations {sorted(state.live)} and receives "
+                f"{sorted((s, k.value, m) for s, k, m in state.recvs)} unconsumed: it is not a whole step"
             )
-        result.losses = [result_losses[m] for m in sorted(result_losses)]
-        return result
+        return StepResult(
+            losses=[state.losses[m] for m in sorted(state.losses)],
+            peak_live_microbatches=state.peak_live,
+            p2p_batches=state.transfers.batches,
+        )
+
+    # ---- one handler per action kind: (step state, the action's index in the list, the action)
+
+    def _on_recv(self, state: _StepState, index: int, action: Action) -> None:
+        stage, s = self.stages[action.stage], action.stage
+        forward = action.kind is ActionKind.RECV_F
+        meta, peer = (stage.input_meta, s - 1) if forward else (stage.output_meta, s + 1)
+        assert meta is not None
+        state.recvs[s, action.kind, _microbatch(action)] = state.transfers.recv(
+            meta, stage.peer(peer), stage.device, stage.group
+        )
+
+    def _on_forward(self, state: _StepState, index: int, action: Action) -> None:
+        s, m = action.stage, _microbatch(action)
+        acts = state.live.setdefault((s, m), _Activations())
+        self._forward(self.stages[s], m, acts, state.live, state.recvs, state.inputs, state.targets)
+        held = sum(1 for key in state.live if key[0] == s)
+        state.peak_live[s] = max(state.peak_live.get(s, 0), held)
+
+    def _on_send_forward(self, state: _StepState, index: int, action: Action) -> None:
+        stage, s, m = self.stages[action.stage], action.stage, _microbatch(action)
+        output = state.live[s, m].output
+        assert output is not None
+        state.sends.append(state.transfers.send(output.detach(), stage.peer(s + 1), stage.group))
+
+    def _on_backward(self, state: _StepState, index: int, action: Action) -> None:
+        """B, or I (the input's gradient only) in the split-backward schedules."""
+        stage, m = self.stages[action.stage], _microbatch(action)
+        _set_gradient_sync(stage.module, state.sync_grads, last=index == state.last_weights[action.stage])
+        loss = self._backward(stage, m, state.live, state.recvs, weights=action.kind is ActionKind.B)
+        if loss is not None:
+            state.losses[m] = loss
+
+    def _on_weight_backward(self, state: _StepState, index: int, action: Action) -> None:
+        stage = self.stages[action.stage]
+        _set_gradient_sync(stage.module, state.sync_grads, last=False)  # its hooks (FSDP's pre-backward) only stash
+        self._weight_backward(stage, _microbatch(action), state.live)
+        if index == state.last_weights[action.stage]:
+            _finish_weight_backward(stage.module, state.sync_grads)
+
+    def _on_send_backward(self, state: _StepState, index: int, action: Action) -> None:
+        stage, s, m = self.stages[action.stage], action.stage, _microbatch(action)
+        acts = state.live[s, m]
+        assert acts.input_grad is not None, f"stage {s} microbatch {m}: SEND_B before its B or I"
+        state.sends.append(state.transfers.send(acts.input_grad, stage.peer(s - 1), stage.group))
+        acts.grad_gone = True
+        _release(state.live, s, m)
 
     @torch.no_grad()
     def forward_only(self, inputs: Sequence[torch.Tensor] | None, targets: Sequence[torch.Tensor] | None) -> list:
         """Evaluation: the schedule's forwards and their transfers only (the order stays deadlock-free: only
         waits are removed), without gradients; each microbatch's activations are dropped once passed on.
         Returns the last stage's per-microbatch losses (empty elsewhere)."""
-        live: dict[tuple[int, int], _Activations] = {}
-        recvs: dict[tuple[int, ActionKind, int], PendingRecv] = {}
-        sends: list[PendingSend] = []
-        losses: dict[int, torch.Tensor] = {}
-        transfers = Transfers()
+        state = _StepState(inputs, targets, sync_grads=False, last_weights={})
         for action in self.actions:
-            stage, kind = self.stages[action.stage], action.kind
-            s, m = action.stage, action.microbatch
-            assert m is not None or kind not in (ActionKind.F, ActionKind.SEND_F, ActionKind.RECV_F)
-            if kind is ActionKind.F:
-                transfers.post()
-            if kind is ActionKind.RECV_F:
-                assert stage.input_meta is not None and m is not None
-                recvs[s, kind, m] = transfers.recv(stage.input_meta, stage.peer(s - 1), stage.device, stage.group)
-            elif kind is ActionKind.F:
-                assert m is not None
-                acts = live.setdefault((s, m), _Activations())
-                self._forward(stage, m, acts, live, recvs, inputs, targets)
+            if action.kind is ActionKind.RECV_F:
+                self._on_recv(state, 0, action)
+            elif action.kind is ActionKind.F:
+                state.transfers.post()
+                stage, s, m = self.stages[action.stage], action.stage, _microbatch(action)
+                acts = state.live.setdefault((s, m), _Activations())
+                self._forward(stage, m, acts, state.live, state.recvs, inputs, targets)
                 if not stage.is_first and stage.is_local(s - 1):
-                    live.pop((s - 1, m))  # handed over
+                    state.live.pop((s - 1, m))  # handed over
                 if stage.is_last:
                     assert acts.loss is not None
-                    losses[m] = acts.loss
-                    live.pop((s, m))
-            elif kind is ActionKind.SEND_F:
-                assert m is not None
-                sends.append(transfers.send(live.pop((s, m)).output, stage.peer(s + 1), stage.group))  # type: ignore[arg-type]
-        transfers.post()
-        for send in sends:
+                    state.losses[m] = acts.loss
+                    state.live.pop((s, m))
+            elif action.kind is ActionKind.SEND_F:
+                stage, m = self.stages[action.stage], _microbatch(action)
+                output = state.live.pop((action.stage, m)).output
+                assert output is not None
+                state.sends.append(state.transfers.send(output, stage.peer(action.stage + 1), stage.group))
+        state.transfers.post()
+        for send in state.sends:
             send.wait()
-        return [losses[m] for m in sorted(losses)]
+        return [state.losses[m] for m in sorted(state.losses)]
 
     def _forward(
         self, stage: PipelineStage, m: int, acts: _Activations, live: dict, recvs: dict,
