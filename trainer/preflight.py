@@ -15,9 +15,12 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .config import JobConfig, load_config
+
+if TYPE_CHECKING:  # the pre-flight runs before torch is imported
+    from parallelisms.pipeline_parallel import ScheduleSpec
 
 # (key, check, what it must be) for values that have a valid range
 _RANGES: list[tuple[str, Callable[[Any], bool], str]] = [
@@ -259,16 +262,19 @@ def _unwritable(folder: Any) -> str | None:
 def _check_pipeline(cfg: JobConfig) -> None:
     """Under pipeline parallelism: a schedule the runtime runs, microbatches that split the local batch and
     that the schedule accepts, a layer split that leaves no stage empty, and what is not built yet refused."""
-    p, training = cfg.parallelism, cfg.training
-    pp = p.pipeline_parallel_degree
-    if pp <= 1:
+    if cfg.parallelism.pipeline_parallel_degree <= 1:
         return
-    from models.llama3.args import llama3_configs  # dataclasses only, no torch
-    from models.llama3.stage_split import module_fqns_per_stage
-
     from .pipeline_schedule import schedule_spec
 
-    mb = p.pipeline_parallel_microbatch_size
+    _check_pipeline_batches(cfg)
+    spec = schedule_spec(cfg)  # a CSV schedule's file is read and checked here
+    _check_pipeline_schedule(cfg, spec)
+    _check_pipeline_split(cfg, spec)
+
+
+def _check_pipeline_batches(cfg: JobConfig) -> None:
+    """Training and validation batches split into whole microbatches of one shape."""
+    training, mb = cfg.training, cfg.parallelism.pipeline_parallel_microbatch_size
     for key, batch in (
         ("training.local_batch_size", training.local_batch_size),
         ("validation.local_batch_size", cfg.validation.local_batch_size or training.local_batch_size),
@@ -283,7 +289,11 @@ def _check_pipeline(cfg: JobConfig) -> None:
             f"validation.seq_len({cfg.validation.seq_len}) under pipeline parallelism must be training.seq_len "
             f"(or 0): the stages' boundary activations have one shape"
         )
-    spec = schedule_spec(cfg)  # a CSV schedule's file is read and checked here
+
+
+def _check_pipeline_schedule(cfg: JobConfig, spec: ScheduleSpec) -> None:
+    """What the schedule needs of FSDP, and a CSV schedule's fixed microbatch count."""
+    p, training = cfg.parallelism, cfg.training
     if spec.split_backward and p.fsdp_reshard_after_forward == "always":
         raise ValueError(
             f"parallelism.fsdp_reshard_after_forward='always' with parallelism.pipeline_parallel_schedule="
@@ -297,20 +307,30 @@ def _check_pipeline(cfg: JobConfig) -> None:
             f"training.local_batch_size({training.local_batch_size}) (or 0): the file schedules that many "
             f"microbatches"
         )
-    if cfg.model.flavor in llama3_configs:
-        args = llama3_configs[cfg.model.flavor]
-        per_rank = spec.stages_per_rank or (1 if spec.single_stage else 2)
-        if not p.module_fqns_per_model_part:
-            module_fqns_per_stage(
-                pp * per_rank, args.n_layers, first_stage_less_layers=p.pipeline_parallel_first_stage_less_layers,
-                last_stage_less_layers=p.pipeline_parallel_last_stage_less_layers,
-            )  # fmt: skip
-        try:
-            spec.generate(pp, per_rank, training.local_batch_size // mb)
-        except ValueError as e:
-            raise ValueError(f"parallelism.pipeline_parallel_schedule={p.pipeline_parallel_schedule!r} with "
-                             f"{training.local_batch_size // mb} microbatches (training.local_batch_size / "
-                             f"parallelism.pipeline_parallel_microbatch_size): {e}") from None  # fmt: skip
+
+
+def _check_pipeline_split(cfg: JobConfig, spec: ScheduleSpec) -> None:
+    """A known flavor's layers split into non-empty stages, and the schedule lays out the step's microbatches."""
+    from models.llama3.args import llama3_configs  # dataclasses only, no torch
+    from models.llama3.stage_split import module_fqns_per_stage
+
+    p, training = cfg.parallelism, cfg.training
+    if cfg.model.flavor not in llama3_configs:
+        return
+    pp, microbatches = p.pipeline_parallel_degree, training.local_batch_size // p.pipeline_parallel_microbatch_size
+    per_rank = spec.stages_per_rank or (1 if spec.single_stage else 2)
+    if not p.module_fqns_per_model_part:
+        module_fqns_per_stage(
+            pp * per_rank, llama3_configs[cfg.model.flavor].n_layers,
+            first_stage_less_layers=p.pipeline_parallel_first_stage_less_layers,
+            last_stage_less_layers=p.pipeline_parallel_last_stage_less_layers,
+        )  # fmt: skip
+    try:
+        spec.generate(pp, per_rank, microbatches)
+    except ValueError as e:
+        raise ValueError(f"parallelism.pipeline_parallel_schedule={p.pipeline_parallel_schedule!r} with "
+                         f"{microbatches} microbatches (training.local_batch_size / "
+                         f"parallelism.pipeline_parallel_microbatch_size): {e}") from None  # fmt: skip
 
 
 def _check_validation(cfg: JobConfig) -> None:
