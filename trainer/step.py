@@ -87,7 +87,33 @@ def train_step(
     only); otherwise the loop's NonfiniteWatch stops the job at its next check.
     `autocast`: run forward and loss under torch.autocast in this dtype (mixed precision without FSDP)."""
     optimizer.zero_grad(set_to_none=True)
-    scale = grad_average_size / targets
+    total = accumulate_gradients(
+        model, micro_batches, scale=grad_average_size / targets, use_loss_parallel=use_loss_parallel,
+        autocast=autocast, cross_entropy=cross_entropy,
+    )  # fmt: skip
+    params = [p for p in model.parameters() if p.grad is not None]
+    reduce_partial_grads(params)  # once, coalesced: left Partial, clipping and AdamW would each all-reduce them
+    clip = max_norm if max_norm > 0 else float("inf")
+    norm = torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
+    grad_norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+    if skip_nonfinite and not math.isfinite(grad_norm.item()):
+        optimizer.zero_grad(set_to_none=True)
+        return StepResult(total, grad_norm, skipped=True)
+    optimizer.step()
+    return StepResult(total, grad_norm, skipped=False)
+
+
+def accumulate_gradients(
+    model: nn.Module,
+    micro_batches: MicroBatches,
+    *,
+    scale: torch.Tensor,
+    use_loss_parallel: bool,
+    autocast: torch.dtype | None,
+    cross_entropy: CrossEntropy,
+) -> torch.Tensor:
+    """Forward and backward of every micro-batch, each token-loss sum times `scale`; the gradients sum in the
+    parameters and FSDP / DDP reduce them only in the last backward. Returns the step's loss (the scaled sum)."""
     total: torch.Tensor | None = None
     accumulate = isinstance(model, (FSDPModule, ReplicateModule)) and len(micro_batches) > 1
     for i, (inputs, labels) in enumerate(micro_batches):
@@ -103,16 +129,7 @@ def train_step(
             loss.backward()
         total = loss.detach() if total is None else total + loss.detach()
     assert total is not None, "a step needs at least one micro-batch"
-    params = [p for p in model.parameters() if p.grad is not None]
-    reduce_partial_grads(params)  # once, coalesced: left Partial, clipping and AdamW would each all-reduce them
-    clip = max_norm if max_norm > 0 else float("inf")
-    norm = torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
-    grad_norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
-    if skip_nonfinite and not math.isfinite(grad_norm.item()):
-        optimizer.zero_grad(set_to_none=True)
-        return StepResult(total, grad_norm, skipped=True)
-    optimizer.step()
-    return StepResult(total, grad_norm, skipped=False)
+    return total
 
 
 class NonfiniteWatch:
