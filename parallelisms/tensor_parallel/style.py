@@ -4,7 +4,8 @@ and outputs are converted and redistributed. Names and defaults mirror torch's t
     ColwiseParallel   Linear weight S(0) (+ bias S(0)), Embedding weight S(1); input R, output S(-1)
     RowwiseParallel   Linear weight S(1) (bias R),     Embedding weight S(0); input S(-1), output R
                       (the row-wise matmul gives P(sum); the output redistribute is the all_reduce,
-                      or a reduce_scatter when the output layout is a Shard: sequence parallel)
+                      or a reduce_scatter when the output layout is a Shard: sequence parallel;
+                      the Embedding becomes a VocabParallelEmbedding, whose weight gradient is S(0))
     SequenceParallel  parameters replicated; activations sharded on the sequence dim
     PrepareModuleInput / PrepareModuleOutput / PrepareModuleInputOutput: only convert layouts
 """
@@ -21,6 +22,7 @@ import torch.nn as nn
 from ..dtensor import DeviceMesh, DTensor, Placement, Replicate, Shard, distribute_module, distribute_tensor
 from ..dtensor.errors import StyleArgumentError
 from .apply_order import check_param_layout, join_path
+from .vocab_parallel import make_vocab_parallel
 
 
 class ParallelStyle:
@@ -106,6 +108,8 @@ class RowwiseParallel(ParallelStyle):
 
     def apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         embedding = isinstance(module, nn.Embedding)
+        if embedding:  # its weight gradient then comes out S(0) like the weight (vocab_parallel.py)
+            make_vocab_parallel(module)  # type: ignore[arg-type]
         return _shard_module(
             self,
             module,

@@ -207,15 +207,10 @@ def _check(result: dict[str, Any]) -> None:
     assert ours["bytes"] <= theirs["bytes"], summary
 
 
-# One all-gather more than torch: embedding_dense_backward of a replicated grad has one layout in
-# ops/embedding.py, the vocabulary-parallel S(0) (only this rank's rows), so the replicated table's
-# gradient comes out S(0) and is gathered to its weight's R; torch's rule computes it replicated.
-_SHARDED_TABLE_GRAD = pytest.mark.xfail(strict=True, reason="a replicated table's gradient comes out S(0)")
-CASES = [
-    *[(name, world) for name in ("mlp", "attention", "norms") for world in (2, 4)],
-    *[pytest.param("embedding", world, marks=_SHARDED_TABLE_GRAD) for world in (2, 4)],
-    ("adamw", 2),
-]
+# The embedding program once issued one all-gather more than torch: the lookup's backward rule gave a
+# replicated table an S(0) gradient (only this rank's rows) and the optimizer gathered it back to R. The
+# rule now computes R, as torch's; RowwiseParallel's Embedding keeps the S(0) rows (vocab_parallel.py).
+CASES = [*[(name, world) for name in ("mlp", "attention", "norms", "embedding") for world in (2, 4)], ("adamw", 2)]
 
 
 @pytest.mark.parametrize(("name", "world_size"), CASES, ids=str)

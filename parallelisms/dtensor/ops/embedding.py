@@ -17,9 +17,12 @@ indices) -> (V, D)` scatter-adds grad rows into the rows the ids name:
     grad S(k),   indices S(k) -> P(sum)     each rank adds up its own ids' rows
     grad S(-1),  indices R    -> S(1)       column-wise
     grad P(sum), indices R    -> P(sum)     linear in grad
-    grad R,      indices R    -> S(0)       each rank accumulates only the rows of its vocabulary
-                                            range (`masked_embedding_backward`): the gradient of a
-                                            vocabulary-parallel weight comes out sharded like it
+    grad R,      indices R    -> R          the whole table's gradient, as torch's rule: the rule cannot
+                                            see whether the weight is replicated (then this is free) or
+                                            split by rows (then slicing it to S(0) is free, but every
+                                            rank held the whole table's gradient first). RowwiseParallel
+                                            knows, and its Embedding computes only this rank's rows
+                                            (`masked_embedding_backward`, tensor_parallel/vocab_parallel.py)
 
 `scale_grad_by_freq` divides by each id's count over ALL ids, so it forbids sharding the ids.
 A rule offers the product of the per-mesh-dim options; the dispatcher keeps the cheapest.
@@ -35,7 +38,7 @@ from torch.ops import aten
 
 from ..placements import Partial, Placement, Replicate, Shard
 from ..spec import DTensorSpec
-from .registry import OpCall, Placements, Sharding, register
+from .registry import LocalImpl, OpCall, Placements, Sharding, register
 
 R = Replicate()
 PARTIAL_SUM = Partial("sum")
@@ -76,7 +79,7 @@ def embedding_rule(call: OpCall) -> list[Sharding]:
     return [_sharding(combo, masked_embedding) for combo in itertools.product(*per_dim)]
 
 
-def _sharding(combo: tuple[Option, ...], impl) -> Sharding:
+def _sharding(combo: tuple[Option, ...], impl: LocalImpl | None) -> Sharding:
     first: Placements = tuple(o.first for o in combo)
     ids: Placements = tuple(o.indices for o in combo)
     out: Placements = tuple(o.output for o in combo)
@@ -119,7 +122,7 @@ def masked_embedding(local_args: list, local_kwargs: dict, input_specs, output_s
 
 def scatter_options(grad: Placement, indices: Placement, ids_ndim: int, by_freq: bool) -> list[Option]:
     """Legal layouts of `embedding_dense_backward` on one mesh dim (grad is (*I, D))."""
-    options = [Option(R, R, Shard(0), masked=True)]
+    options = [Option(R, R, R)]
     batch_dim = next((p.dim for p in (indices, grad) if isinstance(p, Shard) and p.dim < ids_ndim), None)
     if batch_dim is not None and not by_freq:  # per-id counts must see every id
         options.append(Option(Shard(batch_dim), Shard(batch_dim), PARTIAL_SUM))
@@ -132,29 +135,26 @@ def scatter_options(grad: Placement, indices: Placement, ids_ndim: int, by_freq:
 
 @register(aten.embedding_dense_backward.default)
 def embedding_backward_rule(call: OpCall) -> list[Sharding]:
-    """Product over mesh dims of `scatter_options`; masked on any mesh dim -> the masked scatter."""
+    """Product over mesh dims of `scatter_options` (the plain op on the local tensors in every one)."""
     grad, indices = call.specs
     by_freq = bool(call.bound["scale_grad_by_freq"])
     per_dim = [scatter_options(g, i, indices.ndim, by_freq) for g, i in zip(grad.placements, indices.placements)]
-    return [_sharding(combo, masked_embedding_backward) for combo in itertools.product(*per_dim)]
+    return [_sharding(combo, None) for combo in itertools.product(*per_dim)]
 
 
-def masked_embedding_backward(local_args: list, local_kwargs: dict, input_specs, output_specs) -> torch.Tensor:
-    """grad_weight rows [start, start+rows) of this rank's vocabulary shard.
+def masked_embedding_backward(
+    grad: torch.Tensor, indices: torch.Tensor, weight: DTensorSpec, padding_idx: int, by_freq: bool
+) -> torch.Tensor:
+    """The weight gradient's rows [start, start+rows) of this rank's vocabulary shard of `weight`, from the
+    local (replicated) output gradient and ids: what RowwiseParallel's Embedding computes in backward.
 
     Out-of-range ids are sent to a spare row `rows` (dropped afterwards), so they neither add to nor
     count toward (`scale_grad_by_freq`) any real row; `padding_idx` is made local the same way.
     """
-    grad, indices, _num_weights, padding_idx, by_freq = _backward_args(local_args, local_kwargs)
-    rows, start = vocab_range(output_specs[0])
+    rows, start = vocab_range(weight)
     shifted, outside = local_ids(indices, rows, start)
     local_padding = padding_idx - start if padding_idx >= 0 and start <= padding_idx < start + rows else -1
     out = aten.embedding_dense_backward.default(
         grad, shifted.masked_fill(outside, rows), rows + 1, local_padding, by_freq
     )
     return out.narrow(0, 0, rows)
-
-
-def _backward_args(local_args: list, local_kwargs: dict) -> list:
-    names = ("grad_output", "indices", "num_weights", "padding_idx", "scale_grad_by_freq")
-    return [*local_args, *(local_kwargs[n] for n in names[len(local_args) :])]

@@ -6,6 +6,8 @@ ids and compares outputs and weight gradients with the single-device run (tests/
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn.functional as F
 
@@ -48,38 +50,86 @@ def test_embedding_matches_single_device_all_meshes():
     assert all(n > 0 for n in run_on_meshes(_check_lookups))
 
 
-def _output_placements(mesh_shape, weight_placements, ids_placements):
-    mesh = get_mesh(mesh_shape)
+def _output_placements(mesh_shape, weight_placements, ids_placements, impl="ours"):
+    """(output placements, weight-gradient placements, collectives) of a lookup and its backward."""
+    import torch.distributed.tensor as tdt
+
+    ours = impl == "ours"
+    mesh = get_mesh(mesh_shape) if ours else get_torch_mesh(mesh_shape)
+    place = (lambda ps: ps) if ours else to_torch_placements
     torch.manual_seed(0)
-    weight = distribute_tensor(torch.randn(8, 4), mesh, weight_placements).requires_grad_()
-    ids = distribute_tensor(torch.randint(0, 8, (4, 6)), mesh, ids_placements)
+    distribute = distribute_tensor if ours else tdt.distribute_tensor
+    weight = distribute(torch.randn(8, 4), mesh, place(weight_placements)).requires_grad_()
+    ids = distribute(torch.randint(0, 8, (4, 6)), mesh, place(ids_placements))
     with CommDebugMode() as comm:
         out = F.embedding(ids, weight)
-    out.backward(torch.ones_like(out))
-    return tuple(map(str, out.placements)), tuple(map(str, weight.grad.placements)), comm.get_total_counts()
+        out.backward(torch.ones_like(out))
+    return tuple(map(str, out.placements)), tuple(map(_short, weight.grad.placements)), comm.get_total_counts()
 
 
-def test_embedding_layouts_need_no_communication():
+def _short(placement) -> str:
+    """A placement of ours or torch's as ours prints it: R, S(0), P(sum)."""
+    if placement.is_replicate():
+        return "R"
+    if placement.is_shard():
+        return f"S({placement.dim})"
+    return "P(sum)" if placement.is_partial() and placement.reduce_op == "sum" else str(placement)
+
+
+def test_embedding_layouts_need_no_communication_and_grads_land_as_torchs():
+    """No collective in forward or backward, and the weight gradient laid out as torch's rule lays it out:
+    a row-sharded table's gradient is the whole table's (R), as in torch, since the rule cannot see the
+    weight; RowwiseParallel's Embedding gives S(0) (test_vocab_parallel_style_gradient_is_sharded_like_the_weight)."""
     cases = {
-        ((Shard(0),), (Replicate(),)): (("P(sum)",), ("S(0)",)),  # vocabulary-parallel (row-wise)
+        ((Shard(0),), (Replicate(),)): (("P(sum)",), ("R",)),  # vocabulary-parallel (row-wise)
         ((Shard(1),), (Replicate(),)): (("S(2)",), ("S(1)",)),  # column-wise
         ((Replicate(),), (Shard(0),)): (("S(0)",), ("P(sum)",)),  # batch-sharded ids
         ((Replicate(),), (Shard(1),)): (("S(1)",), ("P(sum)",)),  # sequence-sharded ids
+        ((Replicate(),), (Replicate(),)): (("R",), ("R",)),  # a replicated table
     }
     for (w, i), (out, grad) in cases.items():
         got_out, got_grad, comms = run_world(_output_placements, 2, (2,), w, i)[0]
         assert (got_out, got_grad, comms) == (out, grad, 0), (w, i, got_out, got_grad, comms)
+        assert got_grad == run_world(_output_placements, 2, (2,), w, i, "torch")[0][1], (w, i)
 
 
 def _vocab_parallel_on_2d_mesh():
     """Vocab-parallel on one mesh dim, batch-sharded ids on the other: P(sum) x S(0) in one output."""
-    out, grad, comms = _output_placements((2, 2), (Replicate(), Shard(0)), (Shard(0), Replicate()))
-    return out, grad, comms
+    return _output_placements((2, 2), (Replicate(), Shard(0)), (Shard(0), Replicate()))
 
 
 def test_embedding_mixes_vocab_and_batch_sharding_on_2d_mesh():
     out, grad, comms = run_world(_vocab_parallel_on_2d_mesh, 4)[0]
-    assert (out, grad, comms) == (("S(0)", "P(sum)"), ("P(sum)", "S(0)"), 0)
+    assert (out, grad, comms) == (("S(0)", "P(sum)"), ("P(sum)", "R"), 0)
+
+
+def _vocab_parallel_style(vocab: int, padding_idx: int | None, by_freq: bool):
+    """RowwiseParallel's Embedding: output and S(0) weight gradient equal one device's, no backward collective."""
+    from torch import nn
+
+    from parallelisms.tensor_parallel import RowwiseParallel, parallelize_module
+    from parallelisms.tensor_parallel.vocab_parallel import VocabParallelEmbedding
+
+    mesh = get_mesh((2,))
+    torch.manual_seed(0)
+    reference = nn.Embedding(vocab, 4, padding_idx=padding_idx, scale_grad_by_freq=by_freq)
+    module = parallelize_module(copy.deepcopy(reference), mesh, RowwiseParallel(input_layouts=Replicate()))
+    assert type(module) is VocabParallelEmbedding and isinstance(module, nn.Embedding)
+    ids = torch.randint(0, vocab, (3, 5))
+    grad_out = torch.randn(3, 5, 4)
+    out = module(ids)
+    with CommDebugMode() as comm:
+        out.backward(grad_out)
+    reference(ids).backward(grad_out)
+    torch.testing.assert_close(out, reference(ids))
+    assert module.weight.grad.placements == (Shard(0),) and comm.get_total_counts() == 0
+    torch.testing.assert_close(module.weight.grad.full_tensor(), reference.weight.grad)
+    return True
+
+
+def test_vocab_parallel_style_gradient_is_sharded_like_the_weight():
+    for vocab, padding_idx, by_freq in ((8, None, False), (7, 3, True), (3, 0, False)):  # even, uneven, empty shard
+        assert all(run_world(_vocab_parallel_style, 2, vocab, padding_idx, by_freq)), (vocab, padding_idx, by_freq)
 
 
 def _compare_with_torch(weight_placements, ids_placements):
@@ -172,5 +222,5 @@ def test_lookup_and_scatter_options_pure():
     ]
     assert [o.output for o in lookup_options(Shard(1), r, 3)] == [r, Shard(2)]
     # backward: batch-sharded ids give a P(sum) grad, unless counts must see every id
-    assert [o.output for o in scatter_options(Shard(0), Shard(0), 2, by_freq=False)] == [Shard(0), p]
-    assert [o.output for o in scatter_options(Shard(0), Shard(0), 2, by_freq=True)] == [Shard(0)]
+    assert [o.output for o in scatter_options(Shard(0), Shard(0), 2, by_freq=False)] == [r, p]
+    assert [o.output for o in scatter_options(Shard(0), Shard(0), 2, by_freq=True)] == [r]
