@@ -10,7 +10,8 @@ the live tensor bytes are shown beside it.
 
 The 405B rows run float8 linears (model.converters = ["float8"], the output left in bf16), FSDP gathering them
 in float8 with precomputed scales, as torchtitan's 405B config and benchmark did; its compile is not applied
-(meshtrain compiles no TP layout), so the casts are priced as eager kernels (trainer.estimate_time). Their microbatches are as published: torchtitan at the
+(meshtrain compiles no TP layout), so the casts are priced as eager kernels (trainer.estimate_time). Their
+microbatches are as published: torchtitan at the
 benchmark's commit (9dec370, 2024-12) split the local batch into as many microbatches as the pipeline has
 stages when `pipeline_parallel_microbatches` was not set (its benchmark sets none): 8 microbatches of 4
 sequences under 1F1B (8 stages), 16 of 2 under Interleaved1F1B (2 stages per rank, its default split for
