@@ -132,6 +132,38 @@ def test_vocab_parallel_style_gradient_is_sharded_like_the_weight():
         assert all(run_world(_vocab_parallel_style, 2, vocab, padding_idx, by_freq)), (vocab, padding_idx, by_freq)
 
 
+def _vocab_parallel_under_fsdp() -> int:
+    """FSDP(2) x TP(2): the gathered weight is still the row-sharded TP DTensor, so the lookup's backward is
+    the vocabulary-parallel one (counted), and the trained table equals one device's."""
+    from torch import nn
+
+    import parallelisms.tensor_parallel.vocab_parallel as vocab_parallel
+    from parallelisms.fsdp import fully_shard
+    from parallelisms.tensor_parallel import RowwiseParallel, parallelize_module
+
+    mesh = get_mesh((2, 2), ("dp", "tp"))
+    torch.manual_seed(0)
+    reference = nn.Embedding(8, 4)
+    module = parallelize_module(copy.deepcopy(reference), mesh["tp"], RowwiseParallel(input_layouts=Replicate()))
+    fully_shard(module, mesh=mesh["dp"])
+    calls = []
+    backward = vocab_parallel._VocabParallelLookup.backward
+    vocab_parallel._VocabParallelLookup.backward = staticmethod(lambda ctx, g: calls.append(1) or backward(ctx, g))
+    try:
+        ids = torch.randint(0, 8, (2, 2, 5))  # one (2, 5) batch per dp rank
+        dp = mesh["dp"].get_local_rank()
+        module(ids[dp]).backward(torch.ones(2, 5, 4))
+    finally:
+        vocab_parallel._VocabParallelLookup.backward = backward
+    reference(ids.flatten(0, 1)).backward(torch.ones(4, 5, 4))
+    torch.testing.assert_close(module.weight.grad.full_tensor(), reference.weight.grad / 2)  # FSDP averages
+    return len(calls)
+
+
+def test_vocab_parallel_style_under_fsdp():
+    assert run_world(_vocab_parallel_under_fsdp, 4) == [1, 1, 1, 1]
+
+
 def _compare_with_torch(weight_placements, ids_placements):
     """Our forward communication vs torch's DTensor for the same layout (ours: no more collectives)."""
     from torch.distributed.tensor import distribute_tensor as torch_distribute
