@@ -276,8 +276,8 @@ def _check_dtypes(params: list[FSDPParam], policy: MixedPrecisionPolicy) -> None
 def precompute_all_gather_scales(modules: nn.Module | list[nn.Module]) -> None:
     """Compute the scales of every cast all-gather parameter (param.py; float8) under `modules` now, in one
     MAX all-reduce per layout (collectives.precompute_scales), for their next forward's all-gathers, which then
-    issue none. Call it
-    after each optimizer step on every rank (torchtitan's `precompute_float8_dynamic_scale_for_fsdp`)."""
+    issue none. Call it after each optimizer step on every rank (torchtitan's
+    `precompute_float8_dynamic_scale_for_fsdp`)."""
     roots = modules if isinstance(modules, list) else [modules]
     states = {id(m._fsdp_state): m._fsdp_state for r in roots for m in r.modules() if isinstance(m, FSDPModule)}
     precompute_scales([s.group.buffers for s in states.values()])
