@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from models.llama3.parallelize import compile_supported
+from parallelisms.dtensor.cost import CostModel, use_cost_model
 from parallelisms.parallel_dims import ParallelDims
 
 from .config import load_config
@@ -171,17 +172,20 @@ def estimate(
         microbatches = cfg.training.local_batch_size // p.pipeline_parallel_microbatch_size
         stretch = pipeline_stretch(schedule_spec(cfg), dims.pp, stages_per_rank(cfg), microbatches)
     roles = []
+    per_node = nodes_of or gpus_per_node()
+    # the DTensor plans are the target's: priced with its backend's links and hosts of `per_node` ranks
+    target_links = CostModel(backend="gloo" if device.name == "cpu" else "nccl", host_size=per_node)
     for name, ranks in roles_of(dims, world_size):
         init_fake_world(world_size, ranks[0])
-        mesh = dims.build_mesh("cpu")
-        runtime = build_runtime(cfg, dims, mesh, torch.device("cpu"))  # the tensors: fake, on the CPU
-        precision = resolve_precision(cfg, torch.device("cpu" if device.name == "cpu" else "cuda"), dims)
-        runtime = dataclasses.replace(runtime, precision=precision)  # the dtypes: the target device's
-        with warnings.catch_warnings():
+        with use_cost_model(target_links), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # fake tensors' data_ptr deprecation, from code that caches by pointer
+            mesh = dims.build_mesh("cpu")
+            runtime = build_runtime(cfg, dims, mesh, torch.device("cpu"))  # the tensors: fake, on the CPU
+            precision = resolve_precision(cfg, torch.device("cpu" if device.name == "cpu" else "cuda"), dims)
+            runtime = dataclasses.replace(runtime, precision=precision)  # the dtypes: the target device's
             trace = trace_step_sampled(cfg, runtime, every_block=every_block)
         compiled = cfg.compile.enable and "model" in cfg.compile.components and compile_supported(dims)
-        time = price_step(trace, dims, device, nodes_of or gpus_per_node(), pipeline_stretch=stretch, compiled=compiled)
+        time = price_step(trace, dims, device, per_node, pipeline_stretch=stretch, compiled=compiled)
         roles.append(Role(name, ranks, trace, time))
     return Estimate(
         world_size, device, dims, tuple(roles), cfg.activation_checkpoint.mode, cfg.training.local_batch_size

@@ -1,10 +1,12 @@
 """The communication cost model: what moving bytes over a mesh dim costs, in seconds, under an
-α–β model.
+α–β model, with each backend's own link prices.
 
 A collective on a mesh dim costs `α` (latency) plus the bytes one rank sends divided by the link
-bandwidth `β`. A mesh dim whose groups stay inside one host uses the intra-host link, one whose
-groups span hosts the inter-host link (hosts are blocks of LOCAL_WORLD_SIZE ranks, as torchrun
-numbers them). `use_cost_model(...)` overrides the defaults.
+bandwidth `β`. The link is the mesh's backend's (gloo on CPU meshes, NCCL on CUDA ones, or the one
+`CostModel.backend` names, as the dry run names its target's), inside one host or across hosts: a
+mesh dim whose groups stay inside one host uses the intra-host link, one whose groups span hosts the
+inter-host link (hosts are blocks of LOCAL_WORLD_SIZE ranks, as torchrun numbers them).
+`use_cost_model(...)` overrides the defaults.
 
 What each transition sends (ring volumes, padding) and so what a redistribution costs is
 redistribute.py's: it owns the transition table and prices its steps here. Everything the planners
@@ -23,6 +25,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
+from .device_mesh import BACKEND_FOR_DEVICE
+
 if TYPE_CHECKING:
     from .device_mesh import DeviceMesh
 
@@ -31,38 +35,68 @@ CALL_SECONDS = 1e-12  # a transition on a group of one: no data moves, a Python 
 
 @dataclass(frozen=True, slots=True)
 class LinkCost:
-    """α (seconds per collective step) and β (bytes per second one rank sends) of a link."""
+    """α (seconds per collective) and β (bytes per second one rank sends) of a link."""
 
     latency_s: float
     bandwidth_bytes_per_s: float
 
 
 @dataclass(frozen=True, slots=True)
-class CostModel:
-    """Link costs inside a host and across hosts; `local_copy` prices local chunking.
+class BackendLinks:
+    """One backend's links: between ranks of one host and between hosts."""
 
-    The default α is small (about 1 KiB of bandwidth), far below a real one: gloo on this
-    project's CPU runners takes a median 0.1 ms for a 1-element all-reduce on 2 ranks (95-125 µs
-    over three runs of 2,000; 4 KiB: 0.24 ms, 1 MiB: 0.58 ms, about 2 GB/s). It stays small
-    because no choice depends on it: on the hand-sharded Llama (tests/dtensor/test_comm_cost.py)
-    and the programs of tests/dtensor/test_independent_programs.py, 2 and 4 ranks, α of 10 ns,
-    10 µs and 100 µs give the same collectives and bytes (54 on the Llama's 2 steps; torch: 208).
-    Counts moved with what a local partition costs (redistribute.transition_seconds), not with α.
+    intra_host: LinkCost
+    inter_host: LinkCost
+
+
+# gloo, measured by bench/collective_latency.py on this project's 2-core CPU runners (2 ranks, medians): a
+# 1-element all-reduce takes 95-125 µs on a quiet machine (260-370 µs with other tenants at load 2-3), and
+# β is 0.5-2 GB/s; what a choice between plans weighs, α x β, the bytes one collective is worth, stays about
+# 200 KB. Across hosts gloo runs over TCP: a 10 GbE link (1.25 GB/s) and a network round trip on top of α.
+GLOO_LINKS = BackendLinks(
+    intra_host=LinkCost(latency_s=100e-6, bandwidth_bytes_per_s=2e9),
+    inter_host=LinkCost(latency_s=150e-6, bandwidth_bytes_per_s=1.25e9),
+)
+# NCCL, from published nccl-tests all_reduce_perf figures on H100 SXM: bus bandwidth 460-480 GB/s on one
+# NVSwitch host, small-message time about 10 µs there; across hosts one 400 Gb/s NIC per GPU (50 GB/s,
+# about 45 usable) and about 25 µs. β is bus bandwidth, the bytes one rank sends per second in a ring.
+NCCL_LINKS = BackendLinks(
+    intra_host=LinkCost(latency_s=10e-6, bandwidth_bytes_per_s=450e9),
+    inter_host=LinkCost(latency_s=25e-6, bandwidth_bytes_per_s=45e9),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    """Each backend's links; `local_copy` prices local chunking.
+
+    `backend` None prices a mesh with its own backend's links (gloo for "cpu" meshes, NCCL for
+    "cuda"); "gloo" or "nccl" prices every mesh as that backend, as the dry run plans a GPU job on
+    fake CPU meshes. The latency matters to choices between plans with different collective counts
+    on small tensors: at gloo's α a collective costs as much as 200 KB moved, at NCCL's as 4.5 MB.
     """
 
-    intra_host: LinkCost = LinkCost(latency_s=1e-8, bandwidth_bytes_per_s=100e9)
-    inter_host: LinkCost = LinkCost(latency_s=8e-8, bandwidth_bytes_per_s=12.5e9)
+    gloo: BackendLinks = GLOO_LINKS
+    nccl: BackendLinks = NCCL_LINKS
+    backend: str | None = None
     # a local chunk is a copy: far cheaper than a collective, but not free, so that between two
     # plans with the same collectives the one that copies less wins (a partition also owes the
     # all-reduce that makes it whole again, see collective_seconds)
     local_copy_bytes_per_s: float = 1e14
     host_size: int = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or 1 << 30
 
+    def backend_links(self, mesh: DeviceMesh) -> BackendLinks:
+        backend = self.backend or BACKEND_FOR_DEVICE.get(getattr(mesh, "device_type", "cpu"), "gloo")
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"CostModel.backend={backend!r}: the cost model prices 'gloo' and 'nccl' links")
+        return self.nccl if backend == "nccl" else self.gloo
+
     def link(self, mesh: DeviceMesh, mesh_dim: int) -> LinkCost:
         """The intra-host link when every group along `mesh_dim` lies inside one host."""
+        links = self.backend_links(mesh)
         if getattr(mesh, "mesh", None) is None:  # a stand-in mesh without rank ids (rule tests)
-            return self.intra_host
-        return self.inter_host if _spans_hosts(mesh, mesh_dim, self.host_size) else self.intra_host
+            return links.intra_host
+        return links.inter_host if _spans_hosts(mesh, mesh_dim, self.host_size) else links.intra_host
 
 
 @lru_cache(maxsize=1024)
@@ -71,12 +105,15 @@ def _spans_hosts(mesh: DeviceMesh, mesh_dim: int, host_size: int) -> bool:
     return not bool((lines == lines[:, :1]).all())
 
 
+# One object per distinct model, kept alive: plan caches key a model by its id, so equal models (the dry
+# run makes one per estimate) share their plans, and no freed model's id is passed on to another.
+_CANONICAL: dict[CostModel, CostModel] = {}
+_DEFAULT = _CANONICAL.setdefault(CostModel(), CostModel())
+
 # context-local, so one thread's planning under a model never changes another's
-_MODEL: ContextVar[CostModel] = ContextVar("meshtrain_cost_model", default=CostModel())  # noqa: B039 (frozen)
-
-
-# every model ever planned with, kept alive: plan caches key a model by its id, which a freed one could pass on
-_PLANNED_WITH: dict[int, CostModel] = {}
+_MODEL: ContextVar[CostModel] = ContextVar(
+    "meshtrain_cost_model", default=_DEFAULT
+)  # a frozen model: sharing it is safe
 
 
 def cost_model() -> CostModel:
@@ -87,7 +124,7 @@ def cost_model() -> CostModel:
 def use_cost_model(model: CostModel) -> Iterator[CostModel]:
     """Plan with `model` inside the context, in this thread / task. Plans are cached per model: leaving
     the context brings back the plans of the model outside."""
-    _PLANNED_WITH.setdefault(id(model), model)
+    model = _CANONICAL.setdefault(model, model)
     token = _MODEL.set(model)
     try:
         yield model

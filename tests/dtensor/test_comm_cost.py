@@ -13,17 +13,23 @@ from tests.world import run_world
 
 
 def train_both(world_size: int) -> dict[str, Any]:
+    """Ours with math and with SDPA attention, planned with gloo's link prices (the run's) and with NCCL's
+    (as the dry run plans a GPU job), and torch's."""
     import torch.distributed.tensor as tdt
 
     import parallelisms.dtensor as odt
+    from parallelisms.dtensor.cost import CostModel, use_cost_model
     from parallelisms.dtensor.debug import CommDebugMode
     from tests.dtensor.hand_sharded_llama import train
     from tests.dtensor.harness import get_mesh, get_torch_mesh
 
     mesh, tmesh = get_mesh((world_size,)), get_torch_mesh((world_size,))
+    with use_cost_model(CostModel(backend="nccl")):
+        priced_as_nccl = train(odt, mesh, CommDebugMode, sdpa=True)
     return {
         "math": train(odt, mesh, CommDebugMode, sdpa=False),
         "sdpa": train(odt, mesh, CommDebugMode, sdpa=True),
+        "sdpa, NCCL prices": priced_as_nccl,
         # torch's DTensor has no rule for CPU flash attention, and its SDPA math fallback mixes in
         # a plain mask: its math attention is the peer of both of ours
         # our CommDebugMode counts torch's DTensor too (and bytes, which torch's does not)
@@ -35,7 +41,7 @@ def train_both(world_size: int) -> dict[str, Any]:
 def test_hand_sharded_llama_needs_no_more_collectives_or_bytes_than_torch(world_size: int) -> None:
     result = run_world(train_both, world_size, world_size)[0]
     theirs = result["torch"]
-    for attention in ("math", "sdpa"):
+    for attention in ("math", "sdpa", "sdpa, NCCL prices"):
         ours = result[attention]
         torch.testing.assert_close(ours["losses"], theirs["losses"], rtol=1e-5, atol=1e-5)
         for name, p in ours["params"].items():

@@ -7,7 +7,15 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from parallelisms.dtensor.cost import CostModel, LinkCost, cost_model, use_cost_model
+from parallelisms.dtensor.cost import (
+    GLOO_LINKS,
+    NCCL_LINKS,
+    BackendLinks,
+    CostModel,
+    LinkCost,
+    cost_model,
+    use_cost_model,
+)
 from parallelisms.dtensor.redistribute import transition_seconds
 
 
@@ -16,6 +24,7 @@ class RankGrid:
     """What the cost model reads from a DeviceMesh: its rank ids and shape."""
 
     mesh: torch.Tensor
+    device_type: str = "cpu"
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -23,16 +32,38 @@ class RankGrid:
 
 
 GRID = RankGrid(torch.arange(8).view(2, 4))  # 2 hosts of 4 ranks: dim 0 spans hosts, dim 1 does not
-TWO_HOSTS = CostModel(
+LINKS = BackendLinks(
     intra_host=LinkCost(latency_s=1e-6, bandwidth_bytes_per_s=1e11),
     inter_host=LinkCost(latency_s=1e-5, bandwidth_bytes_per_s=1e10),
-    host_size=4,
 )
+TWO_HOSTS = CostModel(gloo=LINKS, host_size=4)
 
 
 def test_mesh_dims_inside_a_host_use_the_intra_host_link() -> None:
-    assert TWO_HOSTS.link(GRID, 1) == TWO_HOSTS.intra_host
-    assert TWO_HOSTS.link(GRID, 0) == TWO_HOSTS.inter_host
+    assert TWO_HOSTS.link(GRID, 1) == LINKS.intra_host
+    assert TWO_HOSTS.link(GRID, 0) == LINKS.inter_host
+
+
+def test_each_backend_prices_its_own_links() -> None:
+    """A CPU mesh runs on gloo and a CUDA mesh on NCCL; `backend` prices every mesh as the one it names
+    (the dry run plans a GPU job on fake CPU meshes). A collective costs what ~200 KB moved costs on gloo
+    and ~4.5 MB on NCCL, so the latency weighs in choices between plans with different collective counts."""
+    cuda_grid = RankGrid(GRID.mesh, device_type="cuda")
+    model = CostModel(host_size=4)
+    assert model.link(GRID, 1) == GLOO_LINKS.intra_host and model.link(GRID, 0) == GLOO_LINKS.inter_host
+    assert model.link(cuda_grid, 1) == NCCL_LINKS.intra_host and model.link(cuda_grid, 0) == NCCL_LINKS.inter_host
+    as_nccl = CostModel(backend="nccl", host_size=4)
+    assert as_nccl.link(GRID, 1) == NCCL_LINKS.intra_host
+    with use_cost_model(as_nccl):
+        one_element = transition_seconds("all_reduce", 4, GRID, 1)
+        assert one_element == pytest.approx(NCCL_LINKS.intra_host.latency_s, rel=1e-3)
+    for links, moved in ((GLOO_LINKS, 200e3), (NCCL_LINKS, 4.5e6)):
+        link = links.intra_host
+        assert link.latency_s * link.bandwidth_bytes_per_s == pytest.approx(moved, rel=0.2)
+        assert links.inter_host.latency_s > link.latency_s
+        assert links.inter_host.bandwidth_bytes_per_s < link.bandwidth_bytes_per_s
+    with pytest.raises(ValueError, match="CostModel.backend='mpi'"):
+        CostModel(backend="mpi").link(GRID, 1)
 
 
 def test_collectives_cost_latency_plus_ring_volume_over_bandwidth() -> None:
@@ -71,10 +102,13 @@ def _plans_per_cost_model() -> list[int]:
         plan_transitions(spec, (Shard(0),))  # planned again: another model may walk another way
     second = _plan_transitions.cache_info().misses
     plan_transitions(spec, (Shard(0),))  # the first model's plan, from the cache
-    return [second - first, _plan_transitions.cache_info().misses - second]
+    third = _plan_transitions.cache_info().misses
+    with use_cost_model(CostModel()):  # equal to the default, so its plans are the default's
+        plan_transitions(spec, (Shard(0),))
+    return [second - first, third - second, _plan_transitions.cache_info().misses - third]
 
 
 def test_redistribution_plans_are_cached_per_cost_model() -> None:
     from tests.world import run_world
 
-    assert run_world(_plans_per_cost_model, 2) == [[1, 0], [1, 0]]
+    assert run_world(_plans_per_cost_model, 2) == [[1, 0, 0], [1, 0, 0]]

@@ -164,12 +164,14 @@ def _step(name: str, impl: Any, mesh: Any, model: nn.Module, data: dict[str, tor
     return [loss]
 
 
-def run_program(name: str, world_size: int) -> dict[str, Any]:
+def run_program(name: str, world_size: int, backend: str = "gloo") -> dict[str, Any]:
     """Program `name` on ours and on torch's DTensor: losses, the weights' gradients (for adamw, the
-    weights after the optimizer steps) as full tensors, and the collectives each issued."""
+    weights after the optimizer steps) as full tensors, and the collectives each issued. Ours plans with
+    `backend`'s link prices (the run is gloo's; "nccl" plans as a GPU job would, as the dry run does)."""
     import torch.distributed.tensor as tdt
 
     import parallelisms.dtensor as odt
+    from parallelisms.dtensor.cost import CostModel, use_cost_model
     from parallelisms.dtensor.debug import CommDebugMode
     from tests.dtensor.harness import get_mesh, get_torch_mesh
 
@@ -177,7 +179,7 @@ def run_program(name: str, world_size: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for impl, mesh in ((odt, get_mesh((world_size,))), (tdt, get_torch_mesh((world_size,)))):
         model = place(impl, mesh, _module(name))
-        with CommDebugMode() as comm:
+        with CommDebugMode() as comm, use_cost_model(CostModel(backend=backend)):
             losses = _step(name, impl, mesh, model, data)
             # gradients as an optimizer reads them: laid out like their weights (a pending sum reduced)
             grads = {
@@ -213,9 +215,10 @@ def _check(result: dict[str, Any]) -> None:
 CASES = [*[(name, world) for name in ("mlp", "attention", "norms", "embedding") for world in (2, 4)], ("adamw", 2)]
 
 
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
 @pytest.mark.parametrize(("name", "world_size"), CASES, ids=str)
-def test_program_needs_no_more_collectives_or_bytes_than_torch(name: str, world_size: int) -> None:
-    _check(run_world(run_program, world_size, name, world_size)[0])
+def test_program_needs_no_more_collectives_or_bytes_than_torch(name: str, world_size: int, backend: str) -> None:
+    _check(run_world(run_program, world_size, name, world_size, backend)[0])
 
 
 def test_embedding_program_matches_torch() -> None:
