@@ -33,8 +33,7 @@ from .devices import GIB, Device, gpus_per_node, lookup_device
 from .estimate_step import StepTrace, trace_step_sampled
 from .estimate_time import StepTime, collective_seconds, pipeline_stretch, price_step
 from .job_config import JobConfig
-from .pipeline import stages_per_rank
-from .pipeline_schedule import schedule_spec
+from .pipeline_schedule import schedule_spec, stages_per_rank
 from .preflight import check_config
 from .runtime import build_runtime, resolve_precision
 from .train import build_parallel_dims

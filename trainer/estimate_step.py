@@ -41,8 +41,8 @@ from .estimate_memory import LiveBytes, MemoryReport, track_live_bytes
 from .estimate_microbatches import microbatch_samples
 from .job_config import JobConfig
 from .metrics import flops_per_token
-from .pipeline import pipeline_train_step, split_for_rank, stage_fqns, stages_per_rank
-from .pipeline_schedule import schedule_spec
+from .pipeline import pipeline_train_step, split_for_rank
+from .pipeline_schedule import schedule_spec, stage_fqns, stages_per_rank
 from .runtime import Runtime
 from .step import MicroBatches, global_target_count, train_step
 from .tokenizer import build_model_tokenizer, model_vocab_size

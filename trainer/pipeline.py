@@ -15,7 +15,6 @@ schedule's forwards only; tensor parallelism inside stages sends each TP rank's 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -25,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.llama3 import Transformer
-from models.llama3.pipeline import module_fqns_per_stage, split_model, tied_across_stages
+from models.llama3.pipeline import split_model, tied_across_stages
 from parallelisms.dtensor import DeviceMesh, DTensor
 from parallelisms.dtensor.dtensor import local_tensor
 from parallelisms.pipeline_parallel import ScheduleSpec, lower_schedule, stage_to_rank
@@ -36,11 +35,8 @@ from parallelisms.tensor_parallel.partial_grads import reduce_partial_grads
 
 from .job_config import JobConfig
 from .loss import IGNORE_INDEX
-from .pipeline_schedule import schedule_spec
+from .pipeline_schedule import schedule_spec, stage_fqns, stages_per_rank
 from .step import MicroBatches, StepResult
-
-STAGES_PER_RANK_MULTI = 2  # torchtitan's default for the looped schedules without layers_per_stage
-
 
 # The last stage's copy of a tied embedding (1B flavor) is saved and stepped under the embedding's name.
 _TIED_NAMES = {"output.weight": "tok_embeddings.weight"}
@@ -94,39 +90,6 @@ class PipelineParts(nn.Module):
 
     def forward(self, *args: object) -> None:
         raise RuntimeError("a pipelined model runs through its schedule (trainer/pipeline.py), not forward()")
-
-
-def stages_per_rank(cfg: JobConfig) -> int:
-    p = cfg.parallelism
-    spec = schedule_spec(cfg)
-    if spec.single_stage:
-        return 1
-    if spec.stages_per_rank is not None:  # a CSV schedule: the file's
-        return spec.stages_per_rank
-    if p.pipeline_parallel_layers_per_stage:
-        return max(1, math.ceil(_n_layers(cfg) / p.pipeline_parallel_layers_per_stage / p.pipeline_parallel_degree))
-    return STAGES_PER_RANK_MULTI
-
-
-def _n_layers(cfg: JobConfig) -> int:
-    from models.llama3 import llama3_configs
-
-    return llama3_configs[cfg.model.flavor].n_layers
-
-
-def stage_fqns(cfg: JobConfig, num_stages: int, n_layers: int) -> list[list[str]]:
-    p = cfg.parallelism
-    if p.module_fqns_per_model_part:
-        if len(p.module_fqns_per_model_part) != num_stages:
-            raise ValueError(
-                f"parallelism.module_fqns_per_model_part has {len(p.module_fqns_per_model_part)} parts for "
-                f"{num_stages} pipeline stages (pp {p.pipeline_parallel_degree} x stages per rank); give one per stage"
-            )
-        return p.module_fqns_per_model_part
-    return module_fqns_per_stage(
-        num_stages, n_layers, first_stage_less_layers=p.pipeline_parallel_first_stage_less_layers,
-        last_stage_less_layers=p.pipeline_parallel_last_stage_less_layers,
-    )  # fmt: skip
 
 
 @dataclass

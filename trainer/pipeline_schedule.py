@@ -1,10 +1,13 @@
-"""The job's pipeline schedule (torch-free, so the pre-flight reads it too): the named one
-(`parallelism.pipeline_parallel_schedule`) or, when set, the CSV file's (`pipeline_parallel_schedule_csv`,
-which wins, as in torchtitan)."""
+"""The job's pipeline schedule and how many stages each rank holds (torch-free, so the pre-flight reads them
+too): the named schedule (`parallelism.pipeline_parallel_schedule`) or, when set, the CSV file's
+(`pipeline_parallel_schedule_csv`, which wins, as in torchtitan)."""
 
 from __future__ import annotations
 
-from parallelisms.pipeline_parallel import ScheduleSpec, csv_schedule_spec, get_schedule
+import math
+
+from models.llama3.stage_split import check_module_fqns, module_fqns_per_stage
+from parallelisms.pipeline_parallel import ScheduleSpec, StagePlacement, csv_schedule_spec, get_schedule
 
 from .job_config import JobConfig
 
@@ -21,3 +24,79 @@ def schedule_spec(cfg: JobConfig) -> ScheduleSpec:
                 f"(training.local_batch_size / pipeline_parallel_microbatch_size): {e}"
             ) from None
     return get_schedule(p.pipeline_parallel_schedule)
+
+
+STAGES_PER_RANK_MULTI = 2  # torchtitan's default for the multi-stage schedules without layers_per_stage
+
+
+def stages_per_rank(cfg: JobConfig, spec: ScheduleSpec | None = None) -> int:
+    """The stages each pp rank holds, counted as torchtitan counts them, and checked against the schedule:
+    a CSV schedule's own count; else `module_fqns_per_model_part`'s parts over pp; else, with
+    `pipeline_parallel_layers_per_stage`, ceil((layers + the first / last stage's weights) / it) over pp;
+    else 1 for a single-stage schedule (GPipe, 1F1B) and 2 for the others. Raises, with the keys and the
+    arithmetic, where the stages do not divide by pp or do not suit the schedule: one per rank for a
+    single-stage schedule, two or more for a looped multi-stage one, exactly two for a V schedule."""
+    from models.llama3.args import llama3_configs  # dataclasses only, no torch
+
+    p = cfg.parallelism
+    spec = spec or schedule_spec(cfg)
+    pp, parts, per_layer = (
+        p.pipeline_parallel_degree,
+        p.module_fqns_per_model_part,
+        p.pipeline_parallel_layers_per_stage,
+    )
+    if spec.stages_per_rank is not None:  # the file lays out its stages
+        if parts and len(parts) != pp * spec.stages_per_rank:
+            raise ValueError(
+                f"parallelism.module_fqns_per_model_part has {len(parts)} parts, and "
+                f"parallelism.pipeline_parallel_schedule_csv schedules {spec.stages_per_rank} stages on each of "
+                f"pipeline_parallel_degree({pp}) ranks = {pp * spec.stages_per_rank}; give one part per stage"
+            )
+        return spec.stages_per_rank
+    if parts:
+        stages, source = len(parts), f"parallelism.module_fqns_per_model_part's {len(parts)} parts"
+    elif per_layer:
+        n_layers = llama3_configs[cfg.model.flavor].n_layers if cfg.model.flavor in llama3_configs else 0
+        first, last = p.pipeline_parallel_first_stage_less_layers, p.pipeline_parallel_last_stage_less_layers
+        stages = math.ceil((n_layers + first + last) / per_layer)
+        source = (
+            f"ceil(({n_layers} layers + pipeline_parallel_first_stage_less_layers({first}) + "
+            f"pipeline_parallel_last_stage_less_layers({last})) / parallelism.pipeline_parallel_layers_per_stage"
+            f"({per_layer})) = {stages} stages"
+        )
+    else:
+        return 1 if spec.single_stage else STAGES_PER_RANK_MULTI
+    if stages % pp:
+        raise ValueError(f"{source} do not divide by parallelism.pipeline_parallel_degree({pp}): each rank holds "
+                         f"as many stages as every other; change one of them")  # fmt: skip
+    per_rank = stages // pp
+    if spec.placement == StagePlacement.V:
+        fits, wanted = per_rank == 2, "exactly 2 stages (a V: rank r holds stages r and 2 x pp - 1 - r)"
+    elif spec.single_stage:
+        fits, wanted = per_rank == 1, "exactly 1 stage"
+    else:
+        fits, wanted = per_rank >= 2, "2 or more stages"
+    if not fits:
+        raise ValueError(
+            f"parallelism.pipeline_parallel_schedule={spec.name!r} runs {wanted} per rank, and {source} "
+            f"over pipeline_parallel_degree({pp}) ranks is {per_rank} per rank; change the schedule or the split"
+        )
+    return per_rank
+
+
+def stage_fqns(cfg: JobConfig, num_stages: int, n_layers: int) -> list[list[str]]:
+    """The modules of each of `num_stages` stages: `module_fqns_per_model_part` when set (checked: one part per
+    stage, every module once, in forward order), else torchtitan's split of the layers."""
+    p = cfg.parallelism
+    if p.module_fqns_per_model_part:
+        if len(p.module_fqns_per_model_part) != num_stages:
+            raise ValueError(
+                f"parallelism.module_fqns_per_model_part has {len(p.module_fqns_per_model_part)} parts for "
+                f"{num_stages} pipeline stages (pp {p.pipeline_parallel_degree} x stages per rank); give one per stage"
+            )
+        check_module_fqns(p.module_fqns_per_model_part, n_layers)
+        return p.module_fqns_per_model_part
+    return module_fqns_per_stage(
+        num_stages, n_layers, first_stage_less_layers=p.pipeline_parallel_first_stage_less_layers,
+        last_stage_less_layers=p.pipeline_parallel_last_stage_less_layers,
+    )  # fmt: skip

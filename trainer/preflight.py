@@ -119,10 +119,9 @@ def _feature_warnings(cfg: JobConfig) -> list[str]:
     """Keys whose effect is only speed, set where they cannot act: the job runs, and says so."""
     p, warnings = cfg.parallelism, []
     if p.pipeline_parallel_degree > 1 and p.pipeline_parallel_microbatch_size >= 1:
-        from .pipeline_schedule import schedule_spec  # pure Python
+        from .pipeline_schedule import stages_per_rank  # pure Python
 
-        spec = schedule_spec(cfg)
-        stages = p.pipeline_parallel_degree * (spec.stages_per_rank or (1 if spec.single_stage else 2))
+        stages = p.pipeline_parallel_degree * stages_per_rank(cfg)
         m = cfg.training.local_batch_size // p.pipeline_parallel_microbatch_size
         if m < stages:
             warnings.append(
@@ -310,21 +309,18 @@ def _check_pipeline_schedule(cfg: JobConfig, spec: ScheduleSpec) -> None:
 
 
 def _check_pipeline_split(cfg: JobConfig, spec: ScheduleSpec) -> None:
-    """A known flavor's layers split into non-empty stages, and the schedule lays out the step's microbatches."""
+    """A known flavor's modules split into stages the schedule runs (the count per rank and the parts:
+    `stages_per_rank`, `stage_fqns`), and the schedule lays out the step's microbatches."""
     from models.llama3.args import llama3_configs  # dataclasses only, no torch
-    from models.llama3.stage_split import module_fqns_per_stage
+
+    from .pipeline_schedule import stage_fqns, stages_per_rank
 
     p, training = cfg.parallelism, cfg.training
     if cfg.model.flavor not in llama3_configs:
         return
     pp, microbatches = p.pipeline_parallel_degree, training.local_batch_size // p.pipeline_parallel_microbatch_size
-    per_rank = spec.stages_per_rank or (1 if spec.single_stage else 2)
-    if not p.module_fqns_per_model_part:
-        module_fqns_per_stage(
-            pp * per_rank, llama3_configs[cfg.model.flavor].n_layers,
-            first_stage_less_layers=p.pipeline_parallel_first_stage_less_layers,
-            last_stage_less_layers=p.pipeline_parallel_last_stage_less_layers,
-        )  # fmt: skip
+    per_rank = stages_per_rank(cfg, spec)
+    stage_fqns(cfg, pp * per_rank, llama3_configs[cfg.model.flavor].n_layers)
     try:
         spec.generate(pp, per_rank, microbatches)
     except ValueError as e:

@@ -32,3 +32,29 @@ def module_fqns_per_stage(
     if layer != n_layers:
         raise ValueError(f"the split placed {layer} of {n_layers} layers; set module_fqns_per_model_part")
     return parts
+
+
+def check_module_fqns(parts: list[list[str]], n_layers: int) -> None:
+    """An explicit split (parallelism.module_fqns_per_model_part) must cut the model's modules, in their
+    forward order, into non-empty consecutive parts: stage s runs its modules and hands the result to stage
+    s + 1, so a module left out, named twice or out of order would train another model without a word."""
+    order = ["tok_embeddings", *(f"layers.{i}" for i in range(n_layers)), "norm", "output"]
+    named = [name for part in parts for name in part]
+    empty = [s for s, part in enumerate(parts) if not part]
+    problem = ""
+    if empty:
+        problem = f"parts {empty} are empty"
+    elif unknown := sorted(set(named) - set(order)):
+        problem = f"{unknown} are not modules of the model"
+    elif repeated := sorted({name for name in named if named.count(name) > 1}):
+        problem = f"{repeated} are named more than once"
+    elif missing := [name for name in order if name not in named]:
+        problem = f"{missing} are in no part"
+    elif named != order:
+        problem = f"the parts name the modules in the order {named}"
+    if problem:
+        raise ValueError(
+            f"parallelism.module_fqns_per_model_part: {problem}; give every module once, in forward order, cut "
+            f"into consecutive non-empty parts: {', '.join(order[:3])}, ..., {', '.join(order[-2:])} "
+            f"(e.g. 'tok_embeddings,layers.0;layers.1,norm,output')"
+        )

@@ -117,6 +117,58 @@ def test_what_pipelines_cannot_do_yet_is_refused_in_the_preflight(overrides: lis
         check_config(cfg, world_size=4)
 
 
+LAYERS_PER_STAGE = "--parallelism.pipeline_parallel_layers_per_stage"
+SCHEDULE = "--parallelism.pipeline_parallel_schedule"
+PARTS = "--parallelism.module_fqns_per_model_part"
+SIX_LAYERS = ["tok_embeddings", *(f"layers.{i}" for i in range(6)), "norm", "output"]  # the debug model's modules
+
+
+def _parts(*cuts: list[str]) -> str:
+    return ";".join(",".join(cut) for cut in cuts)
+
+
+@pytest.mark.parametrize(
+    "overrides, world_size, message",
+    [
+        # (6 layers + 1 + 1) / 3 -> 3 stages on 2 ranks (torchtitan refuses it too; we once rounded up to 2 per rank)
+        ([LAYERS_PER_STAGE, "3", SCHEDULE, "Interleaved1F1B"], 2, r"= 3 stages do not divide by .*degree\(2\)"),
+        ([LAYERS_PER_STAGE, "1", SCHEDULE, "ZBVZeroBubble"], 2, "'ZBVZeroBubble' runs exactly 2 stages.* is 4 per"),
+        ([LAYERS_PER_STAGE, "4", SCHEDULE, "Interleaved1F1B"], 2, "runs 2 or more stages per rank.* is 1 per rank"),
+        ([LAYERS_PER_STAGE, "2", SCHEDULE, "1F1B"], 2, "'1F1B' runs exactly 1 stage per rank.* is 2 per rank"),
+        ([PARTS, _parts(SIX_LAYERS[:3], SIX_LAYERS[3:6], SIX_LAYERS[6:])], 2, "3 parts do not divide"),
+        ([PARTS, _parts(SIX_LAYERS[:4], SIX_LAYERS[5:])], 2, r"\['layers.3'\] are in no part"),
+        ([PARTS, _parts(SIX_LAYERS[:4], SIX_LAYERS[5:6] + SIX_LAYERS[4:5] + SIX_LAYERS[6:])], 2, "in the order"),
+        ([PARTS, _parts(SIX_LAYERS[:4], SIX_LAYERS[4:] + ["layers.9"])], 2, r"\['layers.9'\] are not modules"),
+        (["--parallelism.pipeline_parallel_degree", "8", SCHEDULE, "Interleaved1F1B", "--training.local_batch_size",
+          "16"], 8, "16 pipeline stages over 6 layers .* every stage needs a layer"),
+    ],
+    ids=["stages_not_divisible", "v_needs_two", "multi_needs_two", "single_needs_one", "parts_not_divisible",
+         "part_missing", "parts_out_of_order", "unknown_module", "empty_stage"],
+)  # fmt: skip
+def test_a_split_the_schedule_cannot_run_is_refused_in_the_preflight_with_the_arithmetic(
+    overrides: list[str], world_size: int, message: str
+) -> None:
+    pp2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
+    cfg = load_config([*JOB, "--training.global_batch_size", "-1", *pp2, *overrides])
+    with pytest.raises(ValueError, match=message):
+        check_config(cfg, world_size=world_size)
+
+
+def test_splits_the_schedule_runs_pass_the_preflight() -> None:
+    from trainer.pipeline_schedule import stages_per_rank
+
+    for overrides, per_rank in (
+        ([LAYERS_PER_STAGE, "2", SCHEDULE, "Interleaved1F1B"], 2),  # (6 + 2) / 2 = 4 stages
+        ([LAYERS_PER_STAGE, "2", SCHEDULE, "ZBVZeroBubble"], 2),
+        ([LAYERS_PER_STAGE, "4", SCHEDULE, "GPipe"], 1),
+        ([PARTS, _parts(SIX_LAYERS[:4], SIX_LAYERS[4:])], 1),
+        ([PARTS, _parts(SIX_LAYERS[:2], SIX_LAYERS[2:4], SIX_LAYERS[4:6], SIX_LAYERS[6:]), SCHEDULE, "LoopedBFS"], 2),
+    ):
+        cfg = load_config([*JOB, "--training.global_batch_size", "-1", *PP2, *overrides])
+        check_config(cfg, world_size=2)
+        assert stages_per_rank(cfg) == per_rank, overrides
+
+
 def _validate_rank(argv: list[str]) -> list[str]:
     return _train_rank(argv, logger_name="trainer.validate")
 
