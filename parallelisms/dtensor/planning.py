@@ -29,7 +29,7 @@ from .ops import random as random_ops
 from .ops.decompositions import Decomposition, find_decomposition
 from .ops.registry import LOCAL_SHAPE, LOCAL_STRIDE, STRIDED_RULES, WORLD_LOCAL_IMPLS, LocalImpl, Role, ScalarTensor
 from .placements import Placement, Replicate, Shard, _StridedShard, is_strided
-from .redistribute import redistribute_seconds
+from .redistribute import candidate_rank
 from .spec import DTensorSpec, TensorMeta, dense_stride_like
 
 logger = logging.getLogger(__name__)
@@ -262,18 +262,7 @@ def choose(call: OpCall, candidates: Sharding | list[Sharding]) -> Sharding:
     if call.specs[0].mesh.get_coordinate() is None:  # off the mesh: nothing moves, any choice will do
         return candidates[0]
     specs = call.specs
-    return min(candidates, key=lambda s: (redistribute_cost(specs, s.inputs), -_sharded_outputs(s)))
-
-
-def _sharded_outputs(s: Sharding) -> int:
-    return sum(isinstance(p, (Shard, _StridedShard)) for out in s.outputs if out for p in out)
-
-
-def redistribute_cost(specs: list[DTensorSpec], targets: tuple) -> float:
-    """Seconds (cost.py's α–β model) to move every input to its target, even shards assumed:
-    every rank must compute the same cost and so pick the same candidate, or their collectives
-    would not match."""
-    return sum(redistribute_seconds(spec, target) for spec, target in zip(specs, targets))
+    return min(candidates, key=lambda s: candidate_rank(specs, s.inputs, s.outputs))
 
 
 def _finish_plan(call: OpCall, choice: Sharding) -> Plan:

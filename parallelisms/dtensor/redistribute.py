@@ -291,6 +291,18 @@ def redistribute_seconds(spec: DTensorSpec, target: Sequence[Placement] | None) 
     return total
 
 
+def candidate_rank(
+    specs: Sequence[DTensorSpec],
+    targets: Sequence[Sequence[Placement] | None],
+    outputs: Sequence[Sequence[Placement] | None],
+) -> tuple[float, int]:
+    """The one ranking of a rule's candidate shardings (the dispatcher's `planning.choose` and the foreach
+    rules): the seconds to move every input to its target, even shards assumed, so every rank ranks alike and
+    picks the same candidate; then more sharded output dims first."""
+    seconds = sum(redistribute_seconds(spec, target) for spec, target in zip(specs, targets))
+    return seconds, -sum(isinstance(p, (Shard, _StridedShard)) for out in outputs if out for p in out)
+
+
 def _group_bytes(spec: DTensorSpec, current: Sequence[Placement], mesh_dim: int) -> float:
     """Bytes of the tensor one group along `mesh_dim` works on: sharded by the other mesh dims."""
     numel: float = math.prod(spec.shape)

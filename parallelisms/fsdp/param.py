@@ -49,7 +49,7 @@ import torch
 import torch.nn as nn
 
 from parallelisms.dtensor import DeviceMesh, DTensor, Placement, Replicate, Shard
-from parallelisms.dtensor.placements import _StridedShard
+from parallelisms.dtensor.placements import _StridedShard, local_chunk
 from parallelisms.dtensor.spec import DTensorSpec, contiguous_stride
 
 
@@ -250,13 +250,10 @@ def _grad_ready(ref: weakref.ref[FSDPParam]) -> None:
 
 
 def _local_chunk(full: torch.Tensor, world: int, index: int, device: torch.device) -> torch.Tensor:
-    """This rank's `torch.chunk` piece of dim 0, as a new contiguous tensor on `device` (on meta
-    when `full` is: meta-device init allocates shards later, with to_empty)."""
-    chunks = torch.chunk(full, world, dim=0) if full.shape[0] else ()
-    piece = chunks[index] if index < len(chunks) else full.narrow(0, 0, 0)
-    if full.is_meta:
-        return torch.empty(piece.shape, dtype=piece.dtype, device="meta")
-    return piece.to(device).clone(memory_format=torch.contiguous_format)
+    """This rank's `torch.chunk` piece of dim 0 (placements.local_chunk), on `device`; on meta when `full`
+    is (meta-device init allocates shards later, with to_empty)."""
+    piece = local_chunk(full, 0, world, index)
+    return piece if full.is_meta else piece.to(device)
 
 
 def _mesh_device(mesh: DeviceMesh) -> torch.device:

@@ -128,7 +128,7 @@ def test_dispatch_options_and_cost_model_are_local_to_a_thread() -> None:
         seen["model"] = cost.cost_model()
         done.set()
 
-    custom = cost.CostModel()
+    custom = cost.CostModel(backend="nccl")  # not the default (equal models are one object)
     thread = threading.Thread(target=other_thread)
     thread.start()
     with dispatch.replicate_fallback(), dispatch.implicit_replication(), cost.use_cost_model(custom):

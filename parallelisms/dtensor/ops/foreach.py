@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from torch._ops import OpOverload
 
-from ..placements import Replicate, Shard
-from ..redistribute import redistribute_seconds
+from ..placements import Replicate
+from ..redistribute import candidate_rank
 from ..spec import DTensorSpec
 from .pointwise import (
     PartialRule,
@@ -111,13 +111,8 @@ def index_candidates(
 
 
 def cheapest(inputs: Sequence[DTensorSpec], candidates: Sequence[Candidate]) -> Candidate:
-    """The cheapest candidate under the cost model (ties: more sharded output dims)."""
-
-    def key(c: Candidate) -> tuple[float, int]:
-        seconds = sum(redistribute_seconds(spec, target) for spec, target in zip(inputs, c[1]))
-        return seconds, -sum(isinstance(p, Shard) for p in c[0])
-
-    return min(candidates, key=key)
+    """The cheapest candidate, ranked as the dispatcher ranks a rule's (redistribute.candidate_rank)."""
+    return min(candidates, key=lambda c: candidate_rank(inputs, c[1], [c[0]]))
 
 
 def list_length(call: OpCall) -> int:

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import torch
 from torch._ops import OpOverload, OpOverloadPacket
 
-from ..placements import Partial, Placement, Replicate, Shard
+from ..placements import Placement, Replicate, Shard
 from ..spec import DTensorSpec
 
 Placements = tuple[Placement, ...]
@@ -287,16 +287,6 @@ def replicate(ndim: int) -> Placements:
 
 def is_shard(p: Placement, dim: int | None = None) -> bool:
     return isinstance(p, Shard) and (dim is None or p.dim == dim)
-
-
-def is_partial(p: Placement) -> bool:
-    return isinstance(p, Partial)
-
-
-def all_replicated(call: OpCall, num_outputs: int = 1) -> Sharding:
-    """Everything gathered to Replicate: always legal, the fallback of every family."""
-    r = replicate(call.mesh_ndim)
-    return Sharding(tuple(r for _ in call.specs), tuple(r for _ in range(num_outputs)))
 
 
 RULE_FILES = (
