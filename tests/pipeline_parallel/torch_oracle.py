@@ -3,15 +3,21 @@
 The multi-stage schedules compute ``pipeline_order`` (and its lowering ``pipeline_order_with_comms``) in their
 constructors from a few stage attributes, so plain namespaces stand in for the stages. The single-stage ones
 (GPipe, 1F1B) run a hand-written loop whose ``pipeline_order`` is only a picture; :func:`torch_runtime_order` runs
-that loop on a stage that records what it is asked to compute.
+that loop on a stage that records what it is asked to compute. :func:`torch_runtime` builds a torch schedule over
+real stages, to run it on a process group next to ours.
 """
 
 from __future__ import annotations
 
 import functools
 import types
+from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage as TorchStage
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from parallelisms.pipeline_parallel import Action, ActionKind, Schedule
@@ -109,3 +115,25 @@ def torch_runtime_order(name: str, pp: int, num_microbatches: int) -> Schedule:
         TORCH_CLASSES[name](stage, num_microbatches)._step_microbatches()
         order[rank] = list(stage.calls)
     return order
+
+
+def torch_runtime(
+    name: str,
+    parts: Mapping[int, nn.Module],
+    num_stages: int,
+    num_microbatches: int,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    group: dist.ProcessGroup | None = None,
+    device: torch.device | str = "cpu",
+) -> Any:
+    """torch.distributed.pipelining running schedule `name` for real over `parts` (this rank's stage modules, by
+    stage index, in the placement the schedule expects) in `group` (the default group if None).
+
+    ``scale_grads=False``: the gradients are the sum over microbatches of each microbatch's ``loss_fn``, as in
+    our runtime; the stages infer their boundary shapes on the first ``step`` (a collective of the group)."""
+    stages = [TorchStage(part, s, num_stages, torch.device(device), group=group) for s, part in sorted(parts.items())]
+    cls = TORCH_CLASSES[name]
+    if issubclass(cls, torch_schedules.PipelineScheduleSingle):
+        (stage,) = stages
+        return cls(stage, num_microbatches, loss_fn=loss_fn, scale_grads=False)
+    return cls(stages, num_microbatches, loss_fn=loss_fn, scale_grads=False)

@@ -55,6 +55,17 @@ def test_pipelined_training_follows_one_process(
     assert len(losses) == 4 and losses == pytest.approx(one_process, abs=2e-4), (one_process, losses)
 
 
+def test_accumulation_under_pp_is_an_outer_loop_of_whole_pipeline_steps(tmp_path: Path) -> None:
+    """Global batch 8 of local batches 4 on PP(2): two whole pipeline steps (of 2 microbatches each) per
+    optimizer step, the loss over the step's global target count: one process taking the 8 at once."""
+    eight = ["--training.global_batch_size", "8"]
+    one = [*JOB, *eight, "--training.local_batch_size", "8", "--job.dump_folder", str(tmp_path / "one")]
+    pp = [*JOB, *eight, *PP2, *MB2, "--job.dump_folder", str(tmp_path / "pp")]
+    whole = _losses(run_world(_train_rank, 1, one)[0])
+    accumulated = _losses(run_world(_train_rank, 2, pp)[0])
+    assert len(whole) == 4 and accumulated == pytest.approx(whole, abs=2e-4), (whole, accumulated)
+
+
 def test_a_pipelined_checkpoint_resumes_bitwise_reshards_into_fsdp_and_converts_to_hf(tmp_path: Path) -> None:
     ckpt = ["--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.last_save_model_only", "false"]
     straight = _losses(run_world(_train_rank, 2, [*JOB, *ckpt, *PP2, "--job.dump_folder", str(tmp_path / "pp")])[0])
