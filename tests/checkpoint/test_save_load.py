@@ -56,7 +56,17 @@ LAYOUTS = {
         },
     ),  # fmt: skip
 }
-SAVERS = ["fsdp4", "tp4", "fsdp_tp", "hsdp"]
+# Pipeline layouts: the outer "pp" mesh dim splits the names by stage (each rank saves and loads only its stage's
+# keys, as a pipelined trainer's ranks do), the inner dims shard them as above.
+STAGE = {
+    name: 1 if name.endswith(("output.weight", "output.weight.step", "attention_norm.weight")) else 0
+    for name in TENSORS
+}
+LAYOUTS |= {
+    "pp2": (2, (2,), ("pp",), {}),
+    "pp2_fsdp2": (4, (2, 2), ("pp", "dp_shard"), {"col": (Shard(0),), "row": (Shard(0),), "norm": (Shard(0),)}),
+}
+SAVERS = ["fsdp4", "tp4", "fsdp_tp", "hsdp", "pp2_fsdp2"]
 
 
 def _global(name: str) -> torch.Tensor:
@@ -66,13 +76,20 @@ def _global(name: str) -> torch.Tensor:
 
 
 def _state_dict(layout: str, *, empty: bool) -> dict:
-    """The nested state dict in `layout`: real values, or zeros/defaults to load into."""
+    """The nested state dict in `layout` (under PP, this rank's stage's names only): real values, or zeros/defaults
+    to load into."""
     _, mesh_shape, names, by_role = LAYOUTS[layout]
     mesh = get_mesh(mesh_shape, names) if mesh_shape else None
+    stage = None
+    if mesh is not None and names[0] == "pp":
+        stage = mesh.get_local_rank("pp")
+        mesh = mesh[names[1:]] if len(names) > 1 else None
     sd: dict = {"model": {}, "optimizer": {"state": {}, "param_groups": [{"lr": 0.0 if empty else 3e-4, "betas": (0, 0)
                 if empty else (0.9, 0.95), "params": ["model.output.weight"]}]}, "train_state": {"step": 0 if empty
                 else 7}}  # fmt: skip
     for name, (_, _, role) in TENSORS.items():
+        if stage is not None and STAGE[name] != stage:
+            continue
         t = torch.zeros_like(_global(name)) if empty else _global(name)
         if mesh is not None and role in by_role:
             t = distribute_tensor(t, mesh, by_role[role])
@@ -99,7 +116,11 @@ def _load_and_compare(layout: str, directory: str) -> list[str]:
     sd = _state_dict(layout, empty=True)
     checkpoint.load(sd, directory)
     got = _flat_tensors(sd)
-    bad = [k for k in TENSORS if not _bitwise_equal(got[k], _global(k))]
+    bad = [k for k in got if not _bitwise_equal(got[k], _global(k))]
+    _, mesh_shape, names, _ = LAYOUTS[layout]
+    stage = get_mesh(mesh_shape, names).get_local_rank("pp") if names and names[0] == "pp" else None
+    if set(got) != {k for k in TENSORS if stage in (None, STAGE[k])}:
+        bad.append(f"stage {stage} holds {sorted(got)}")
     if sd["train_state"]["step"] != 7 or sd["optimizer"]["param_groups"][0]["betas"] != (0.9, 0.95):
         bad.append("json values")
     return bad
