@@ -196,16 +196,17 @@ def test_validation_under_pp_gives_one_process_loss(tmp_path: Path) -> None:
 
 
 @pytest.mark.e2e
-def test_run_train_sh_trains_a_two_stage_pipeline(tmp_path: Path) -> None:
+def test_run_train_sh_trains_a_two_stage_pipeline_like_one_process(tmp_path: Path, one_process: list[float]) -> None:
     import os
     import subprocess
 
-    args = [*PP2, "--training.steps", "2", "--training.seq_len", "64", "--job.dump_folder", str(tmp_path)]
-    run = subprocess.run(["./run_train.sh", *args], cwd=REPO, env={**os.environ, "NGPU": "2"}, capture_output=True,
-                         text=True, timeout=180)  # fmt: skip
+    run = subprocess.run(["./run_train.sh", *JOB, *PP2, "--job.dump_folder", str(tmp_path)], cwd=REPO,
+                         env={**os.environ, "NGPU": "2"}, capture_output=True, text=True, timeout=180)  # fmt: skip
     out = run.stdout + run.stderr
     assert run.returncode == 0, out[-3000:]
-    assert "mesh_dim_names=('pp',)" in out and "step 2 |" in out, out[-3000:]
+    lines = [line.split("trainer.metrics: ", 1)[1] for line in out.splitlines() if "trainer.metrics: step " in line]
+    assert "mesh_dim_names=('pp',)" in out, out[-3000:]
+    assert _losses(lines) == pytest.approx(one_process, abs=2e-4), out[-3000:]
 
 
 def test_tied_embeddings_across_the_first_and_last_stage_train_like_one_process(tmp_path: Path) -> None:
