@@ -1,5 +1,6 @@
 """The pipeline interpreter on real gloo worlds: every schedule it runs gives the gradients of one process
-running the whole model on the same microbatches, 1F1B holds at most pp microbatches per stage, and the
+running the whole model on the same microbatches; 1F1B holds at most pp microbatches per stage (measured in the
+bytes autograd saves: rank r peaks at pp - r microbatches' activations, GPipe at all of them), and the
 schedules it cannot run yet are refused naming the ones it can."""
 
 from __future__ import annotations
@@ -39,6 +40,37 @@ def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return (out - target).pow(2).sum()
 
 
+class SavedActivationBytes:
+    """Bytes of the activations autograd holds for backward, live now and at their peak: every tensor a forward
+    saves, packed into a holder that subtracts its bytes when the graph lets it go (parameters and their views
+    are not activations and are left out)."""
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        self.params = {p.untyped_storage().data_ptr() for p in params}
+        self.live = self.peak = 0
+
+    def pack(self, t: torch.Tensor) -> object:
+        return t if t.untyped_storage().data_ptr() in self.params else _Held(t, self)
+
+    @staticmethod
+    def unpack(held: object) -> torch.Tensor:
+        return held.tensor if isinstance(held, _Held) else held  # type: ignore[return-value]
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+
+class _Held:
+    def __init__(self, tensor: torch.Tensor, counter: SavedActivationBytes) -> None:
+        # detached: an output saved with its grad_fn would hold its own graph in a cycle only the GC frees
+        self.tensor, self.counter, self.nbytes = tensor.detach(), counter, tensor.numel() * tensor.element_size()
+        counter.live += self.nbytes
+        counter.peak = max(counter.peak, counter.live)
+
+    def __del__(self) -> None:
+        self.counter.live -= self.nbytes
+
+
 def _run(schedule_name: str, stages_per_rank: int, num_microbatches: int) -> dict:
     pp, rank = dist.get_world_size(), dist.get_rank()
     spec = get_schedule(schedule_name)
@@ -57,7 +89,13 @@ def _run(schedule_name: str, stages_per_rank: int, num_microbatches: int) -> dic
     ]  # fmt: skip
     inputs, targets = _microbatches(num_microbatches)
     runner = PipelineSchedule(stages, [a for a in actions if a is not None], _loss)
-    result = runner.step(inputs if 0 in mine else None, targets if num_stages - 1 in mine else None)
+    saved = SavedActivationBytes(list(model.parameters()))
+    with saved.hooks():  # one microbatch through this rank's stages (and the loss): what one microbatch holds
+        held = [_stage_part(model, s)(torch.randn(MB, DIM, requires_grad=True)) for s in mine]
+        held += [_loss(held[-1], targets[0])] if num_stages - 1 in mine else []
+        per_microbatch, _ = saved.live, held.clear()
+        saved.peak = 0
+        result = runner.step(inputs if 0 in mine else None, targets if num_stages - 1 in mine else None)
     grads = {
         f"{s}.{name}": p.grad.clone()
         for s in mine
@@ -74,6 +112,7 @@ def _run(schedule_name: str, stages_per_rank: int, num_microbatches: int) -> dic
     return {
         "grads": grads, "expected": expected, "losses": result.losses, "ref_losses": ref_losses,
         "peaks": result.peak_live_microbatches, "last": num_stages - 1 in mine,
+        "saved_bytes": (saved.peak, per_microbatch, saved.live),
         "batches": (result.p2p_batches, runs, sum(p2p)),
     }  # fmt: skip
 
@@ -106,10 +145,14 @@ def test_schedules_give_the_gradients_of_one_process(
             torch.testing.assert_close(grad, got["expected"][name], rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}")
         if got["last"]:
             torch.testing.assert_close(torch.stack(got["losses"]), torch.stack(got["ref_losses"]))
+        peak, per_microbatch, left = got["saved_bytes"]  # bytes autograd saved for backward, measured
+        assert per_microbatch > 0 and left == 0, got["saved_bytes"]  # all freed by the step's end
         if schedule == "1F1B":  # activations freed as soon as the backward ran: at most pp microbatches
             assert all(n <= world for n in got["peaks"].values()), got["peaks"]
+            assert peak == (world - rank) * per_microbatch, (rank, got["saved_bytes"])  # rank r warms up pp - r
         if schedule == "GPipe":
             assert all(n == microbatches for n in got["peaks"].values()), got["peaks"]
+            assert peak == microbatches * per_microbatch, (rank, got["saved_bytes"])  # grows with microbatches
 
 
 def test_fsdp_actions_are_refused_naming_how_fsdp_runs_instead() -> None:
