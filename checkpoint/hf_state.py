@@ -12,8 +12,10 @@ way a crash leaves only `*.tmp-*` leftovers, never a half-written folder under t
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +27,7 @@ from models.llama3 import TransformerModelArgs
 from models.llama3 import hf_adapter as hf
 from parallelisms.dtensor import DTensor
 
-from .convert import HF_INDEX_FILE, hf_weight_files, to_hf
+from .convert import HF_CONFIG_FILE, HF_INDEX_FILE, hf_model_metadata, hf_weight_files, to_hf
 from .distributed import save
 from .format import CheckpointError
 
@@ -140,3 +142,27 @@ def save_hf_model(
     if error[0] is not None:
         raise CheckpointError(f"writing the Hugging Face folder {out} failed: {error[0]}")
     return out
+
+
+def hf_job_model_args(
+    path: Path, metadata: dict[str, Any] | None, check: Callable[[Path, dict[str, Any]], None]
+) -> TransformerModelArgs:
+    """The model args the q/k permutation of an HF load needs (the head counts): this job's, as `metadata`
+    records them, else the HF folder's config.json; where the folder has one, `check(path, its metadata)`
+    compares it with this job's model first."""
+    theirs: TransformerModelArgs | None = None
+    if (path / HF_CONFIG_FILE).is_file():
+        theirs, saved = hf_model_metadata(path)
+        # config.json gives the FFN width, which (multiple_of, ffn_dim_multiplier) spell in several ways: the
+        # tensors' shapes check it
+        spelled = {k: v for k, v in saved["model_args"].items() if k not in ("multiple_of", "ffn_dim_multiplier")}
+        check(path, {**saved, "model_args": spelled})
+    ours = (metadata or {}).get("model_args")
+    if isinstance(ours, dict):
+        return hf.model_args_from_json(json.loads(json.dumps(ours)))
+    if theirs is None:
+        raise CheckpointError(
+            f"{path} has no {HF_CONFIG_FILE} and this job records no model args: the head counts of the q/k "
+            f"rotary layout are unknown; add the model's {HF_CONFIG_FILE}"
+        )
+    return theirs

@@ -20,7 +20,6 @@ A folder of committed `step-<N>/` checkpoints (torchtitan's `[checkpoint]` seman
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import time
@@ -33,13 +32,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from models.llama3 import TransformerModelArgs
-from models.llama3 import hf_adapter as hf
-
-from .convert import HF_CONFIG_FILE, hf_model_metadata
 from .distributed import async_save, load, save
 from .format import CheckpointError, read_index
-from .hf_state import check_hf_folder, load_hf_model, save_hf_model
+from .hf_state import check_hf_folder, hf_job_model_args, load_hf_model, save_hf_model
 from .stateful import Stateful
 from .step_folders import LOADABLE, StepKind, clear_way, committed_steps, report_passed_over, step_folders, step_kind
 from .storage import remove_leftovers, temporary_dir
@@ -65,8 +60,8 @@ class CheckpointManager:
 
     The keyword arguments are torchtitan v0.2.0's `[checkpoint]` keys (see the module docstring), plus
     `hf_assets_path` (model.hf_assets_path, the Hugging Face folder `initial_load_in_hf` reads when
-    `initial_load_path` is "") and `metadata` (saved with every checkpoint; its "model_args" are checked
-    against any weights loaded). `enable_ft_dataloader_checkpoints` and `initial_load_in_hf_quantized`
+    `initial_load_path` is "") and `metadata` (saved with every checkpoint; `roles.compatible` compares it
+    with the metadata of any weights loaded; an HF load reads its "model_args"). `enable_ft_dataloader_checkpoints` and `initial_load_in_hf_quantized`
     are accepted and ignored: fault tolerance does not exist here, the pre-flight refuses the other.
     """
 
@@ -99,7 +94,7 @@ class CheckpointManager:
         del initial_load_in_hf_quantized, enable_ft_dataloader_checkpoints  # accepted for torchtitan's configs
         _check_options(async_mode, last_save_model_only, last_save_in_hf, initial_load_model_only,
                        initial_load_in_hf, initial_load_path or hf_assets_path)  # fmt: skip
-        self.roles = roles or StateRoles(compatible=check_model_args)
+        self.roles = roles or StateRoles()
         if self.roles.model not in states:
             raise ValueError(f"the checkpointed states need a {self.roles.model!r} entry (StateRoles.model)")
         self.folder, self.states, self.interval, self.keep_latest_k = Path(folder), states, interval, keep_latest_k
@@ -213,28 +208,8 @@ class CheckpointManager:
         files = check_hf_folder(path, key)
         model = self.states[self.roles.model]
         state_dict = model.state_dict()
-        load_hf_model(state_dict, path, files, self._hf_model_args(path))
+        load_hf_model(state_dict, path, files, hf_job_model_args(path, self.metadata, self._check_compatible))
         model.load_state_dict(state_dict)
-
-    def _hf_model_args(self, path: Path) -> TransformerModelArgs:
-        """This job's model args (the q/k permutation needs the head counts), checked against the
-        folder's config.json when it has one."""
-        theirs: TransformerModelArgs | None = None
-        if (path / HF_CONFIG_FILE).is_file():
-            theirs, saved = hf_model_metadata(path)
-            # config.json gives the FFN width, which (multiple_of, ffn_dim_multiplier) spell in several ways:
-            # the tensors' shapes check it
-            spelled = {k: v for k, v in saved["model_args"].items() if k not in ("multiple_of", "ffn_dim_multiplier")}
-            self._check_compatible(path, {**saved, "model_args": spelled})
-        ours = (self.metadata or {}).get("model_args")
-        if isinstance(ours, dict):
-            return hf.model_args_from_json(json.loads(json.dumps(ours)))
-        if theirs is None:
-            raise CheckpointError(
-                f"{path} has no {HF_CONFIG_FILE} and this job records no model args: the head counts of the q/k "
-                f"rotary layout are unknown; add the model's {HF_CONFIG_FILE}"
-            )
-        return theirs
 
     # -------------------------------------------------------------------------------- saving
     def is_due(self, step: int, *, last: bool) -> bool:
@@ -384,28 +359,3 @@ def _check_options(
 def _barrier() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
-
-
-# Model args the weights do not depend on: the context length (the rotary table is rebuilt for it),
-# the vocabulary (its shapes are checked with every tensor) and the init scheme.
-_SHAPE_OR_INIT_ARGS = frozenset({"max_seq_len", "vocab_size", "depth_init"})
-
-
-def check_model_args(directory: Path, saved: dict[str, Any], ours: dict[str, Any]) -> None:
-    """Refuse weights saved by a model that computes differently from this job's (e.g. Llama 3.1's
-    RoPE scaling into a flavor without it): the shapes would match and the logits silently not."""
-    theirs, mine = saved.get("model_args"), ours.get("model_args")
-    if not isinstance(theirs, dict) or not isinstance(mine, dict):
-        return  # not saved by the trainer (or by a tool that records no model args): shapes only
-    mine = json.loads(json.dumps(mine))  # compare as saved (tuples as lists, dataclasses as dicts)
-    shared = sorted((set(theirs) & set(mine)) - _SHAPE_OR_INIT_ARGS)  # a field newer than the checkpoint: skipped
-    differ = [k for k in shared if theirs[k] != mine[k]]
-    if not differ:
-        return
-    flavor = saved.get("job_config", {}).get("model", {}).get("flavor")
-    details = "; ".join(f"{k}: checkpoint {theirs[k]!r}, this job {mine[k]!r}" for k in differ)
-    hint = f" (it was saved as model.flavor={flavor!r})" if flavor else ""
-    raise CheckpointError(
-        f"{directory} holds a model with other architecture than this job's: {details}. Its weights would "
-        f"compute other outputs; set model.flavor to the flavor it was trained as{hint}"
-    )

@@ -14,7 +14,7 @@ import logging
 import os
 import sys
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.optim.lr_scheduler import LambdaLR
 
-from checkpoint.manager import CheckpointManager, StateRoles, check_model_args
+from checkpoint.manager import CheckpointManager
 from checkpoint.stateful import ModelState, OptimizerState, RngState, Stateful
 from models.float8 import convert_to_float8_training
 from models.llama3 import Transformer, TransformerModelArgs, llama3_configs
@@ -36,6 +36,7 @@ from parallelisms.dtensor.init import layout_invariant_init
 from parallelisms.fsdp import MixedPrecisionPolicy, precompute_all_gather_scales
 from parallelisms.parallel_dims import ParallelDims
 
+from .checkpointing import TRAINER_ROLES
 from .config import Comm, JobConfig, Parallelism, load_config, save_config, to_toml
 from .data import TokenBatches, build_data_loader
 from .dump_folder import lock_dump_folder
@@ -365,9 +366,8 @@ def build_checkpointer(
     metadata = {"job_config": cfg.to_dict(), "model_args": dataclasses.asdict(model_args)}
     # the trainer's conventions: the weights under "model", a resume point holds "train_state", and weights of
     # a Llama with other architecture args are refused
-    roles = StateRoles(model="model", resumable="train_state", compatible=check_model_args)
     folder = Path(cfg.job.dump_folder) / cfg.checkpoint.folder
-    manager = CheckpointManager(folder, states, metadata=metadata, roles=roles, **options)
+    manager = CheckpointManager(folder, states, metadata=metadata, roles=TRAINER_ROLES, **options)
     train_state.step = manager.load()
     return manager
 
@@ -394,11 +394,10 @@ def train(cfg: JobConfig, runtime: Runtime) -> list[float]:
 
 
 def train_loop(cfg: JobConfig, runtime: Runtime, c: Components) -> list[float]:
-    """Steps `c.train_state.step + 1 .. training.steps`: fetch, step, advance the state, then each
+    """Steps `c.train_state.step + 1 .. training.steps`: take the step, log it at the metrics' cadence, then each
     component's end of step (it decides its own cadence). Returns the logged losses."""
     training, state = cfg.training, c.train_state
-    batches, first_step = iter(c.loader), state.step + 1
-    run_step = bind_train_step(cfg, runtime, c)
+    batches, first_step, run_step = iter(c.loader), state.step + 1, bind_train_step(cfg, runtime, c)
     nonfinite = NonfiniteWatch(runtime.device, skip=training.skip_nonfinite_steps,
                                max_consecutive_skips=training.max_consecutive_skipped_steps)  # fmt: skip
     if c.checkpointer is not None:
@@ -409,15 +408,7 @@ def train_loop(cfg: JobConfig, runtime: Runtime, c: Components) -> list[float]:
         PreemptionWatch(enabled=c.checkpointer is not None and c.checkpointer.saving) as preemption,
     ):
         for step in range(first_step, training.steps + 1):
-            with c.metrics.timing_data():
-                micro = fetch_micro_batches(batches, c.loader.accumulation_steps, runtime.device)
-            lr = float(c.scheduler.get_last_lr()[0])
-            local = runtime.shard_sequences(micro)  # this rank's tokens: under CP a share of each sequence
-            result = run_step(local, global_target_count([y for _, y in local], runtime.dp_cp_mesh))
-            nonfinite.observe(step, result)
-            c.scheduler.step()
-            state.advance(step, tokens=sum(x.numel() for x, _ in micro) * runtime.dp_size, skipped=result.skipped)
-            c.metrics.count_step(tokens_per_device(micro, runtime.parallel_dims))
+            result, lr = take_step(step, batches, run_step, nonfinite, runtime, c)
             if c.metrics.should_log(step):
                 nonfinite.check()  # the host waits here anyway
                 loss = reduce_loss(result.loss, runtime.dp_cp_mesh)
@@ -433,6 +424,25 @@ def train_loop(cfg: JobConfig, runtime: Runtime, c: Components) -> list[float]:
     else:
         logger.info("training done: nothing left to train (resumed at step %d of %d)", state.step, training.steps)
     return c.metrics.losses
+
+
+def take_step(
+    step: int, batches: Iterator, run_step: Callable[[list, torch.Tensor], StepResult], nonfinite: NonfiniteWatch,
+    runtime: Runtime, c: Components,
+) -> tuple[StepResult, float]:  # fmt: skip
+    """One optimizer step: fetch its micro-batches (timed as data time), take this rank's share of their tokens
+    (under CP a share of each sequence), run the step, then advance the scheduler, the train state and the
+    token count. Returns the step's result and the learning rate it ran at."""
+    with c.metrics.timing_data():
+        micro = fetch_micro_batches(batches, c.loader.accumulation_steps, runtime.device)
+    lr = float(c.scheduler.get_last_lr()[0])
+    local = runtime.shard_sequences(micro)
+    result = run_step(local, global_target_count([y for _, y in local], runtime.dp_cp_mesh))
+    nonfinite.observe(step, result)
+    c.scheduler.step()
+    c.train_state.advance(step, tokens=sum(x.numel() for x, _ in micro) * runtime.dp_size, skipped=result.skipped)
+    c.metrics.count_step(tokens_per_device(micro, runtime.parallel_dims))
+    return result, lr
 
 
 def bind_train_step(cfg: JobConfig, runtime: Runtime, c: Components) -> Callable[[list, torch.Tensor], StepResult]:
