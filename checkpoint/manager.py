@@ -61,8 +61,9 @@ class CheckpointManager:
     The keyword arguments are torchtitan v0.2.0's `[checkpoint]` keys (see the module docstring), plus
     `hf_assets_path` (model.hf_assets_path, the Hugging Face folder `initial_load_in_hf` reads when
     `initial_load_path` is "") and `metadata` (saved with every checkpoint; `roles.compatible` compares it
-    with the metadata of any weights loaded; an HF load reads its "model_args"). `enable_ft_dataloader_checkpoints` and `initial_load_in_hf_quantized`
-    are accepted and ignored: fault tolerance does not exist here, the pre-flight refuses the other.
+    with the metadata of any weights loaded; an HF load reads its "model_args"), and `roles`: what the states
+    mean (StateRoles). `enable_ft_dataloader_checkpoints` and `initial_load_in_hf_quantized` are accepted and
+    ignored: fault tolerance does not exist here, the pre-flight refuses the other.
     """
 
     def __init__(

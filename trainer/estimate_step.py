@@ -439,7 +439,8 @@ def _with_blocks_per_stage(cfg: JobConfig, k: int) -> JobConfig:
     """`cfg` with an explicit split giving every stage k blocks (numbered stage by stage) and its other modules."""
     split = []
     for s, fqns in enumerate(_stage_split(cfg)):
-        split.append([f for f in fqns if not f.startswith("layers.")] + [f"layers.{s * k + i}" for i in range(k)])
+        blocks = [f"layers.{s * k + i}" for i in range(k)]  # in forward order: embedding, blocks, norm, output
+        split.append([f for f in fqns if f == "tok_embeddings"] + blocks + [f for f in fqns if f in ("norm", "output")])
     parallelism = dataclasses.replace(cfg.parallelism, module_fqns_per_model_part=split)
     return dataclasses.replace(cfg, parallelism=parallelism)
 

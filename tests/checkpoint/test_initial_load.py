@@ -14,6 +14,7 @@ from checkpoint import CheckpointError
 from checkpoint.manager import CheckpointManager
 from checkpoint.stateful import ModelState
 from models.llama3 import RoPEScalingArgs, Transformer, llama3_configs
+from trainer.checkpointing import TRAINER_ROLES
 
 ARGS = dataclasses.replace(llama3_configs["debugmodel"], dim=32, n_layers=1, n_heads=4, vocab_size=41, max_seq_len=8)
 
@@ -28,7 +29,9 @@ def _saved(tmp_path: Path) -> tuple[Transformer, Path]:
 def _manager(tmp_path: Path, model: Transformer, initial: Path) -> CheckpointManager:
     meta = {"model_args": dataclasses.asdict(model.model_args)}
     states = {"model": ModelState(model)}
-    return CheckpointManager(tmp_path / "job", states, initial_load_path=str(initial), metadata=meta)
+    return CheckpointManager(
+        tmp_path / "job", states, initial_load_path=str(initial), metadata=meta, roles=TRAINER_ROLES
+    )
 
 
 def test_a_fresh_job_starts_from_the_initial_weights(tmp_path: Path) -> None:

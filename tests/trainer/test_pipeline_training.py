@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.trainer.test_train import _losses, _train_rank
 from tests.world import run_world
@@ -25,9 +26,29 @@ PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parall
 MB2 = ["--parallelism.pipeline_parallel_microbatch_size", "2"]
 
 
+LAST_SAVE = ["--checkpoint.enable", "--checkpoint.interval", "4"]  # the weights after the last step, model only
+
+
 @pytest.fixture(scope="module")
-def one_process(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
-    return _losses(run_world(_train_rank, 1, [*JOB, "--job.dump_folder", str(tmp_path_factory.mktemp("one"))])[0])
+def one_process_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[float], Path]:
+    dump = tmp_path_factory.mktemp("one")
+    return _losses(run_world(_train_rank, 1, [*JOB, *LAST_SAVE, "--job.dump_folder", str(dump)])[0]), dump
+
+
+@pytest.fixture(scope="module")
+def one_process(one_process_run: tuple[list[float], Path]) -> list[float]:
+    return one_process_run[0]
+
+
+def _last_weights(dump: Path) -> dict[str, torch.Tensor]:
+    """The model a run saved after its last step, whole, read on this process (any layout reads into one)."""
+    import checkpoint
+
+    directory = dump / "checkpoint" / "step-4"
+    entries = checkpoint.read_index(directory).tensors
+    model = {k.removeprefix("model."): torch.empty(e.shape) for k, e in entries.items() if k.startswith("model.")}
+    checkpoint.load({"model": model}, directory)
+    return model
 
 
 @pytest.mark.parametrize(
@@ -49,10 +70,16 @@ def one_process(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
          "pp2_ddp2"],
 )  # fmt: skip
 def test_pipelined_training_follows_one_process(
-    tmp_path: Path, one_process: list[float], world: int, layout: list[str]
+    tmp_path: Path, one_process_run: tuple[list[float], Path], world: int, layout: list[str]
 ) -> None:
-    losses = _losses(run_world(_train_rank, world, [*JOB, "--job.dump_folder", str(tmp_path), *layout])[0])
+    """The losses of every step, and every weight after the last, equal one process's to float32 rounding."""
+    one_process, one_dump = one_process_run
+    losses = _losses(run_world(_train_rank, world, [*JOB, *LAST_SAVE, "--job.dump_folder", str(tmp_path), *layout])[0])
     assert len(losses) == 4 and losses == pytest.approx(one_process, abs=2e-4), (one_process, losses)
+    ours, theirs = _last_weights(tmp_path), _last_weights(one_dump)
+    assert ours.keys() == theirs.keys() and len(ours) > 20
+    for name, weight in ours.items():
+        torch.testing.assert_close(weight, theirs[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
 def test_accumulation_under_pp_is_an_outer_loop_of_whole_pipeline_steps(tmp_path: Path) -> None:
