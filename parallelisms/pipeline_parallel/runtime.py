@@ -18,12 +18,18 @@ the nodes where the weight branches leave the activation path; W computes the we
 (split_backward.py), so the activation path runs once. On the first stage, whose input needs no gradient,
 I does nothing and W is the whole backward.
 
-Data parallelism inside a stage (FSDP, DDP) works through the module's own hooks; the FSDP actions of a
-lowered schedule are not run. Every backward of the step runs without gradient sync and, under FSDP, keeps
-the parameters unsharded, except the stage's last weight backward of the step (its last B or W), which
-reduces the accumulated gradients once and reshards. W accumulates the weight gradients itself (autograd
-.grad, not the engine's AccumulateGrad, whose hooks would end a backward per branch), so after the last W
-the runtime ends the backward explicitly: the module's `finish_backward()`.
+Data parallelism inside a stage (FSDP, DDP) works through the module's own hooks. Every backward of the step
+runs without gradient sync and, under FSDP, keeps the parameters unsharded, except the stage's last weight
+backward of the step (its last B or W), which reduces the accumulated gradients once and reshards. W
+accumulates the weight gradients itself (autograd .grad, not the engine's AccumulateGrad, whose hooks would
+end a backward per branch), so after the last W the runtime ends the backward explicitly: the module's
+`finish_backward()`. A list lowered with the FSDP actions (`lower_schedule(unshard_reshard=True,
+reduce_grad=True)`, torch's lowering) says when instead:
+    UNSHARD     start gathering the stage's parameters (waited before the stage next computes)
+    RESHARD     free them
+    REDUCE_GRAD reduce the gradients the stage's backwards accumulated (every backward then runs without
+                sync and keeps the parameters: the actions decide)
+On a stage without FSDP, UNSHARD and RESHARD do nothing; REDUCE_GRAD reduces a DDP stage's buckets.
 """
 
 from __future__ import annotations
@@ -42,11 +48,8 @@ from .split_backward import WeightGradients, backward_all_weights, backward_inpu
 from .stage import PipelineStage
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (last stage's output, target) -> loss
-_RUNNABLE = {
-    ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W,
-    ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B,
-}  # fmt: skip
 _P2P = {ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B}
+_COMPUTE = {ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W}
 
 
 @dataclass
@@ -88,6 +91,7 @@ class _StepState:
     transfers: Transfers = field(default_factory=Transfers)
     losses: dict[int, torch.Tensor] = field(default_factory=dict)  # microbatch -> the last stage's loss
     peak_live: dict[int, int] = field(default_factory=dict)
+    unshards: dict[int, Any] = field(default_factory=dict)  # stage -> its UNSHARD's handle, until it computes
 
 
 def _microbatch(action: Action) -> int:
@@ -108,22 +112,22 @@ class PipelineSchedule:
     ) -> None:
         """`loss_context`: entered around the last stage's loss and its backward (TP's loss_parallel)."""
         self.loss_context = loss_context or contextlib.nullcontext
-        unsupported = sorted({a.kind.value for a in actions if a.kind not in _RUNNABLE})
-        if unsupported:
-            raise NotImplementedError(
-                f"the pipeline runtime does not run {unsupported} actions (FSDP's UNSHARD/RESHARD/REDUCE_GRAD run "
-                f"as its hooks and set_requires_gradient_sync); lower the schedule without them"
-            )
         self.stages = {s.stage_index: s for s in stages}
         self.actions, self.loss_fn = list(actions), loss_fn
         missing = sorted({a.stage for a in actions} - set(self.stages))
         if missing:
             raise ValueError(f"the schedule runs stages {missing}, which this rank does not hold")
+        # with REDUCE_GRAD in the list, it (not the stage's last backward) reduces: one per stage that computes
+        self.explicit_reduce = any(a.kind is ActionKind.REDUCE_GRAD for a in self.actions)
+        if self.explicit_reduce:
+            _check_one_reduce_per_stage(self.actions)
         self._handlers: dict[ActionKind, Callable[[_StepState, int, Action], None]] = {
             ActionKind.RECV_F: self._on_recv, ActionKind.RECV_B: self._on_recv,
             ActionKind.F: self._on_forward, ActionKind.SEND_F: self._on_send_forward,
             ActionKind.B: self._on_backward, ActionKind.I: self._on_backward,
             ActionKind.W: self._on_weight_backward, ActionKind.SEND_B: self._on_send_backward,
+            ActionKind.UNSHARD: self._on_unshard, ActionKind.RESHARD: self._on_reshard,
+            ActionKind.REDUCE_GRAD: self._on_reduce_grad,
         }  # fmt: skip
 
     def step(
@@ -135,11 +139,14 @@ class PipelineSchedule:
         A stage whose module reduces gradients across data-parallel ranks (FSDP, DDP:
         `set_requires_gradient_sync`) reduces them once, in its last backward of the step, with `sync_grads`
         (torch's REDUCE_GRAD), and not at all without (gradient accumulation over several steps' calls)."""
-        state = _StepState(inputs, targets, sync_grads, _last_weight_actions(self.actions))
+        last_weights = {} if self.explicit_reduce else _last_weight_actions(self.actions)
+        state = _StepState(inputs, targets, sync_grads, last_weights)
         for index, action in enumerate(self.actions):
             if action.kind not in _P2P:
                 state.transfers.post()  # the run of transfers before this compute, as one batch
                 state.sends = [send for send in state.sends if not send.completed()]  # free what finished sending
+            if action.kind in _COMPUTE and (gathering := state.unshards.pop(action.stage, None)) is not None:
+                gathering.wait()
             self._handlers[action.kind](state, index, action)
         state.transfers.post()
         for send in state.sends:
@@ -182,7 +189,7 @@ class PipelineSchedule:
     def _on_backward(self, state: _StepState, index: int, action: Action) -> None:
         """B, or I (the input's gradient only) in the split-backward schedules."""
         stage, m = self.stages[action.stage], _microbatch(action)
-        _set_gradient_sync(stage.module, state.sync_grads, last=index == state.last_weights[action.stage])
+        _set_gradient_sync(stage.module, state.sync_grads, last=index == state.last_weights.get(action.stage))
         loss = self._backward(stage, m, state.live, state.recvs, weights=action.kind is ActionKind.B)
         if loss is not None:
             state.losses[m] = loss
@@ -191,7 +198,7 @@ class PipelineSchedule:
         stage = self.stages[action.stage]
         _set_gradient_sync(stage.module, state.sync_grads, last=False)  # its hooks (FSDP's pre-backward) only stash
         self._weight_backward(stage, _microbatch(action), state.live)
-        if index == state.last_weights[action.stage]:
+        if index == state.last_weights.get(action.stage):
             _finish_weight_backward(stage.module, state.sync_grads)
 
     def _on_send_backward(self, state: _StepState, index: int, action: Action) -> None:
@@ -201,6 +208,22 @@ class PipelineSchedule:
         state.sends.append(state.transfers.send(acts.input_grad, stage.peer(s - 1), stage.group))
         acts.grad_gone = True
         _release(state.live, s, m)
+
+    def _on_unshard(self, state: _StepState, index: int, action: Action) -> None:
+        unshard = getattr(self.stages[action.stage].module, "unshard", None)  # FSDP's; nothing to gather otherwise
+        if unshard is not None:
+            state.unshards[action.stage] = unshard(async_op=True)
+
+    def _on_reshard(self, state: _StepState, index: int, action: Action) -> None:
+        gathering = state.unshards.pop(action.stage, None)
+        if gathering is not None:  # gathered and never used: land it before freeing it
+            gathering.wait()
+        reshard = getattr(self.stages[action.stage].module, "reshard", None)
+        if reshard is not None:
+            reshard()
+
+    def _on_reduce_grad(self, state: _StepState, index: int, action: Action) -> None:
+        _finish_weight_backward(self.stages[action.stage].module, state.sync_grads)
 
     @torch.no_grad()
     def forward_only(self, inputs: Sequence[torch.Tensor] | None, targets: Sequence[torch.Tensor] | None) -> list:
@@ -305,6 +328,23 @@ class PipelineSchedule:
 def _last_weight_actions(actions: Sequence[Action]) -> dict[int, int]:
     """Per stage, the index of the action that completes its weight gradients for the step (its last B or W)."""
     return {a.stage: i for i, a in enumerate(actions) if a.kind in (ActionKind.B, ActionKind.W)}
+
+
+def _check_one_reduce_per_stage(actions: Sequence[Action]) -> None:
+    """A list with REDUCE_GRAD reduces each stage that computes a backward exactly once, after its last one:
+    a stage without would keep unreduced gradients, one reduced early would lose the later microbatches'."""
+    backwards = {a.stage: i for i, a in enumerate(actions) if a.kind in (ActionKind.B, ActionKind.W)}
+    reduces: dict[int, list[int]] = {}
+    for i, a in enumerate(actions):
+        if a.kind is ActionKind.REDUCE_GRAD:
+            reduces.setdefault(a.stage, []).append(i)
+    wrong = {s: reduces.get(s, []) for s, last in backwards.items() if len(reduces.get(s, [])) != 1
+             or reduces[s][0] < last}  # fmt: skip
+    if wrong or set(reduces) - set(backwards):
+        raise ValueError(
+            f"REDUCE_GRAD must come once per stage, after the stage's last B or W (lower_schedule(reduce_grad=True) "
+            f"places it so); stages {sorted(set(wrong) | (set(reduces) - set(backwards)))} break that"
+        )
 
 
 def _set_gradient_sync(module: torch.nn.Module, sync_grads: bool, *, last: bool) -> None:

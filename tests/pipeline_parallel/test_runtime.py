@@ -155,22 +155,27 @@ def test_schedules_give_the_gradients_of_one_process(
             assert peak == microbatches * per_microbatch, (rank, got["saved_bytes"])  # grows with microbatches
 
 
-def test_fsdp_actions_are_refused_naming_how_fsdp_runs_instead() -> None:
+def test_a_list_whose_reduce_grad_is_missing_or_early_is_refused() -> None:
     spec = get_schedule("1F1B")
     mapping = stage_to_rank(2, 1, spec.placement)
-    actions = lower_schedule(spec.generate(2, 1, 4), mapping, 4, unshard_reshard=True, reduce_grad=True)[0]
-    with pytest.raises(
-        NotImplementedError, match=r"\['REDUCE_GRAD', 'RESHARD', 'UNSHARD'\].*set_requires_gradient_sync"
-    ):
-        PipelineSchedule([], [a for a in actions if a is not None], _loss)
+    actions = [a for a in lower_schedule(spec.generate(2, 1, 4), mapping, 4, reduce_grad=True)[0] if a is not None]
+    reduce = next(a for a in actions if a.kind.value == "REDUCE_GRAD")
+    meta = BoundaryMeta((MB, DIM), torch.float32)
+    stages = [PipelineStage(nn.Linear(DIM, DIM), 0, 2, None, mapping, torch.device("cpu"), None, meta)]  # type: ignore[arg-type]
+    early = [reduce, *[a for a in actions if a is not reduce]]
+    for wrong in (early, [*actions, reduce]):
+        with pytest.raises(ValueError, match=r"REDUCE_GRAD must come once per stage, after .* stages \[0\]"):
+            PipelineSchedule(stages, wrong, _loss)
 
 
 def _data_parallel_stage_step(
-    schedule_name: str, stages_per_rank: int, dp: str, sync_grads: bool = True, reshard_after_forward: bool = False
-) -> dict:
+    schedule_name: str, stages_per_rank: int, dp: str, sync_grads: bool = True, reshard_after_forward: bool = False,
+    fsdp_actions: bool = False,
+) -> dict:  # fmt: skip
     """PP(2) x FSDP(2) / DDP(2) on 4 ranks (or PP(2) x HSDP(2, 2) on 8), 4 microbatches: the collectives of
     one step and whether each stage's gradients equal the whole model's (the same data on every dp rank, so
-    the dp average is the gradient of one of them)."""
+    the dp average is the gradient of one of them). `fsdp_actions`: the list lowered with UNSHARD, RESHARD
+    and REDUCE_GRAD (torch's lowering), which then say when to gather, free and reduce."""
     from parallelisms.data_parallel import replicate
     from parallelisms.dtensor import init_device_mesh
     from parallelisms.dtensor.debug import CommDebugMode
@@ -198,7 +203,9 @@ def _data_parallel_stage_step(
             parts[s] = fully_shard(part, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
         stages.append(PipelineStage(parts[s], s, num_stages, mesh["pp"].get_group(), mapping, torch.device("cpu"),
                                     None if s == 0 else meta, None if s == num_stages - 1 else meta))  # fmt: skip
-    actions = [a for a in lower_schedule(spec.generate(pp, stages_per_rank, m), mapping, m)[pp_rank] if a is not None]
+    lowered = lower_schedule(spec.generate(pp, stages_per_rank, m), mapping, m, unshard_reshard=fsdp_actions,
+                             reduce_grad=fsdp_actions)  # fmt: skip
+    actions = [a for a in lowered[pp_rank] if a is not None]
     inputs, targets = _microbatches(m)
     with CommDebugMode() as comm:
         PipelineSchedule(stages, actions, _loss).step(
@@ -221,11 +228,15 @@ _P2P = {"send", "recv_"}  # the pipeline's own transfers
 _SCHEDULES = [("1F1B", 1), ("Interleaved1F1B", 2), ("InterleavedZeroBubble", 2), ("ZBVZeroBubble", 2)]
 
 
+@pytest.mark.parametrize("fsdp_actions", [False, True], ids=["hooks", "fsdp_actions"])
 @pytest.mark.parametrize("schedule, stages_per_rank", _SCHEDULES)
-def test_fsdp_inside_stages_gathers_and_reduces_once_per_step(schedule: str, stages_per_rank: int) -> None:
+def test_fsdp_inside_stages_gathers_and_reduces_once_per_step(
+    schedule: str, stages_per_rank: int, fsdp_actions: bool
+) -> None:
     """4 microbatches, one FSDP group per stage: one all-gather (the parameters stay unsharded across the
-    microbatches) and one reduce-scatter per stage and step, also when W comes after I (zero bubble)."""
-    for got in run_world(_data_parallel_stage_step, 4, schedule, stages_per_rank, "fsdp"):
+    microbatches) and one reduce-scatter per stage and step, also when W comes after I (zero bubble); the
+    same whether the module's hooks decide or the lowered UNSHARD / RESHARD / REDUCE_GRAD actions do."""
+    for got in run_world(_data_parallel_stage_step, 4, schedule, stages_per_rank, "fsdp", True, False, fsdp_actions):
         n = got["stages"]
         assert got["counts"] == {"all_gather_into_tensor": n, "reduce_scatter_tensor": n}, got
         assert got["same"] and got["sharded"], got
@@ -243,9 +254,11 @@ def test_fsdp_inside_a_stage_accumulating_across_steps_reduces_nothing() -> None
         assert got["counts"] == {"all_gather_into_tensor": 2}, got  # gathered once; nothing reduced yet
 
 
+@pytest.mark.parametrize("fsdp_actions", [False, True], ids=["hooks", "fsdp_actions"])
 @pytest.mark.parametrize("schedule, stages_per_rank", [("1F1B", 1), ("ZBVZeroBubble", 2)])
-def test_ddp_inside_stages_all_reduces_once_per_step(schedule: str, stages_per_rank: int) -> None:
-    for got in run_world(_data_parallel_stage_step, 4, schedule, stages_per_rank, "ddp"):
+def test_ddp_inside_stages_all_reduces_once_per_step(schedule: str, stages_per_rank: int, fsdp_actions: bool) -> None:
+    """DDP stages: UNSHARD and RESHARD do nothing, REDUCE_GRAD all-reduces the buckets once."""
+    for got in run_world(_data_parallel_stage_step, 4, schedule, stages_per_rank, "ddp", True, False, fsdp_actions):
         n = got["stages"]  # one bucket per (small) stage; the first synced step also agrees its bucket order
         assert got["counts"] == {"all_reduce": n, "broadcast": n}, got
         assert got["same"], got
