@@ -36,15 +36,9 @@ def stages_per_rank(cfg: JobConfig, spec: ScheduleSpec | None = None) -> int:
     else 1 for a single-stage schedule (GPipe, 1F1B) and 2 for the others. Raises, with the keys and the
     arithmetic, where the stages do not divide by pp or do not suit the schedule: one per rank for a
     single-stage schedule, two or more for a looped multi-stage one, exactly two for a V schedule."""
-    from models.llama3.args import llama3_configs  # dataclasses only, no torch
-
     p = cfg.parallelism
     spec = spec or schedule_spec(cfg)
-    pp, parts, per_layer = (
-        p.pipeline_parallel_degree,
-        p.module_fqns_per_model_part,
-        p.pipeline_parallel_layers_per_stage,
-    )
+    pp, parts = p.pipeline_parallel_degree, p.module_fqns_per_model_part
     if spec.stages_per_rank is not None:  # the file lays out its stages
         if parts and len(parts) != pp * spec.stages_per_rank:
             raise ValueError(
@@ -53,19 +47,10 @@ def stages_per_rank(cfg: JobConfig, spec: ScheduleSpec | None = None) -> int:
                 f"pipeline_parallel_degree({pp}) ranks = {pp * spec.stages_per_rank}; give one part per stage"
             )
         return spec.stages_per_rank
-    if parts:
-        stages, source = len(parts), f"parallelism.module_fqns_per_model_part's {len(parts)} parts"
-    elif per_layer:
-        n_layers = llama3_configs[cfg.model.flavor].n_layers if cfg.model.flavor in llama3_configs else 0
-        first, last = p.pipeline_parallel_first_stage_less_layers, p.pipeline_parallel_last_stage_less_layers
-        stages = math.ceil((n_layers + first + last) / per_layer)
-        source = (
-            f"ceil(({n_layers} layers + pipeline_parallel_first_stage_less_layers({first}) + "
-            f"pipeline_parallel_last_stage_less_layers({last})) / parallelism.pipeline_parallel_layers_per_stage"
-            f"({per_layer})) = {stages} stages"
-        )
-    else:
+    counted = _configured_stages(cfg)
+    if counted is None:
         return 1 if spec.single_stage else STAGES_PER_RANK_MULTI
+    stages, source = counted
     if stages % pp:
         raise ValueError(f"{source} do not divide by parallelism.pipeline_parallel_degree({pp}): each rank holds "
                          f"as many stages as every other; change one of them")  # fmt: skip
@@ -82,6 +67,27 @@ def stages_per_rank(cfg: JobConfig, spec: ScheduleSpec | None = None) -> int:
             f"over pipeline_parallel_degree({pp}) ranks is {per_rank} per rank; change the schedule or the split"
         )
     return per_rank
+
+
+def _configured_stages(cfg: JobConfig) -> tuple[int, str] | None:
+    """(stages, how the config says so) when it sets them: the explicit parts, or the layers per stage."""
+    from models.llama3.args import llama3_configs  # dataclasses only, no torch
+
+    p = cfg.parallelism
+    if p.module_fqns_per_model_part:
+        n = len(p.module_fqns_per_model_part)
+        return n, f"parallelism.module_fqns_per_model_part's {n} parts"
+    if not p.pipeline_parallel_layers_per_stage:
+        return None
+    n_layers = llama3_configs[cfg.model.flavor].n_layers if cfg.model.flavor in llama3_configs else 0
+    first, last, per_layer = (p.pipeline_parallel_first_stage_less_layers, p.pipeline_parallel_last_stage_less_layers,
+                              p.pipeline_parallel_layers_per_stage)  # fmt: skip
+    stages = math.ceil((n_layers + first + last) / per_layer)
+    return stages, (
+        f"ceil(({n_layers} layers + pipeline_parallel_first_stage_less_layers({first}) + "
+        f"pipeline_parallel_last_stage_less_layers({last})) / parallelism.pipeline_parallel_layers_per_stage"
+        f"({per_layer})) = {stages} stages"
+    )
 
 
 def stage_fqns(cfg: JobConfig, num_stages: int, n_layers: int) -> list[list[str]]:
