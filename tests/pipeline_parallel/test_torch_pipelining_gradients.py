@@ -18,10 +18,11 @@ from torch import nn
 from parallelisms.pipeline_parallel import SCHEDULES, get_schedule, lower_schedule, rank_to_stages, stage_to_rank
 from parallelisms.pipeline_parallel.runtime import PipelineSchedule
 from parallelisms.pipeline_parallel.stage import BoundaryMeta, PipelineStage
+from tests.pipeline_parallel.test_runtime import DIM, MB, _stage_part, _whole_model  # the same small model
 from tests.pipeline_parallel.torch_oracle import TORCH_CLASSES, torch_runtime
 from tests.world import run_world
 
-PP, MICROBATCHES, MB, DIM, LAYERS_PER_STAGE = 2, 4, 3, 8, 2
+PP, MICROBATCHES = 2, 4
 COMPARED = [name for name in SCHEDULES if name in TORCH_CLASSES]  # all of ours; the V one in its V placement
 # The same float ops on the same tensors in the same order (the split backward's too): torch's and ours agree bit
 # for bit (measured on CPU, torch 2.13).
@@ -29,19 +30,6 @@ BITWISE = {"rtol": 0.0, "atol": 0.0}
 # One process: one (12, 8) matmul per layer where the pipelines do four (3, 8) ones and add up four weight gradients;
 # float32 rounding only (measured: at most 3e-8 absolute, gradients' largest entries 1e-3 to 1e-1).
 ONE_PROCESS = {"rtol": 1e-5, "atol": 1e-7}
-
-
-def _whole_model(num_stages: int) -> nn.Sequential:
-    torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(num_stages * LAYERS_PER_STAGE):
-        layers += [nn.Linear(DIM, DIM), nn.Tanh()]
-    return nn.Sequential(*layers)
-
-
-def _stage_part(model: nn.Sequential, stage: int) -> nn.Sequential:
-    per = 2 * LAYERS_PER_STAGE  # a Linear and a Tanh per layer
-    return model[stage * per : (stage + 1) * per]  # shares the parameters: gradients land in `model`
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
