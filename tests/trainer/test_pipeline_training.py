@@ -222,18 +222,34 @@ def test_validation_under_pp_gives_one_process_loss(tmp_path: Path) -> None:
     assert len(losses[0]) == 2 and losses[1] == pytest.approx(losses[0], abs=2e-4), losses
 
 
-@pytest.mark.e2e
-def test_run_train_sh_trains_a_two_stage_pipeline_like_one_process(tmp_path: Path, one_process: list[float]) -> None:
+def _run_train_sh(*args: str) -> tuple[list[float], str]:
+    """`./run_train.sh` on 2 CPU ranks (it must exit 0): the losses rank 0 logged, and the output."""
     import os
     import subprocess
 
-    run = subprocess.run(["./run_train.sh", *JOB, *PP2, "--job.dump_folder", str(tmp_path)], cwd=REPO,
-                         env={**os.environ, "NGPU": "2"}, capture_output=True, text=True, timeout=180)  # fmt: skip
+    run = subprocess.run(["./run_train.sh", *JOB, *args], cwd=REPO, env={**os.environ, "NGPU": "2"},
+                         capture_output=True, text=True, timeout=180)  # fmt: skip
     out = run.stdout + run.stderr
     assert run.returncode == 0, out[-3000:]
     lines = [line.split("trainer.metrics: ", 1)[1] for line in out.splitlines() if "trainer.metrics: step " in line]
-    assert "mesh_dim_names=('pp',)" in out, out[-3000:]
-    assert _losses(lines) == pytest.approx(one_process, abs=2e-4), out[-3000:]
+    assert lines, out[-3000:]
+    return _losses(lines), out
+
+
+@pytest.mark.e2e
+def test_run_train_sh_trains_a_two_stage_pipeline_like_one_process_and_fsdp_resumes_it(
+    tmp_path: Path, one_process: list[float]
+) -> None:
+    """Through the script: PP(2) follows one process's losses and saves at step 2; FSDP(2) resumes that
+    checkpoint (each stage wrote its own FQNs) and goes on like one process."""
+    save = ["--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.last_save_model_only", "false"]
+    pipelined, out = _run_train_sh(*PP2, *save, "--job.dump_folder", str(tmp_path / "pp"))
+    assert "mesh_dim_names=('pp',)" in out and pipelined == pytest.approx(one_process, abs=2e-4), out[-3000:]
+    shutil.copytree(tmp_path / "pp" / "checkpoint" / "step-2", tmp_path / "fsdp" / "checkpoint" / "step-2")
+    fsdp2 = ["--training.local_batch_size", "2", "--checkpoint.enable"]  # the same global batch of 4
+    resumed, out = _run_train_sh(*fsdp2, "--job.dump_folder", str(tmp_path / "fsdp"))
+    assert "mesh_dim_names=('dp_shard',)" in out and "step-2" in out, out[-3000:]
+    assert resumed == pytest.approx(one_process[2:], abs=2e-4), (one_process, resumed)
 
 
 def test_tied_embeddings_across_the_first_and_last_stage_train_like_one_process(tmp_path: Path) -> None:
