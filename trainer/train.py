@@ -364,8 +364,8 @@ def build_checkpointer(
     }  # fmt: skip
     model_args = cast(TransformerModelArgs, model.model_args)
     metadata = {"job_config": cfg.to_dict(), "model_args": dataclasses.asdict(model_args)}
-    # the trainer's conventions: the weights under "model", a resume point holds "train_state", and weights of
-    # a Llama with other architecture args are refused
+    # the trainer's conventions (trainer/checkpointing.py): the weights under "model", a resume point holds
+    # "train_state", and weights of a Llama with other architecture args are refused
     folder = Path(cfg.job.dump_folder) / cfg.checkpoint.folder
     manager = CheckpointManager(folder, states, metadata=metadata, roles=TRAINER_ROLES, **options)
     train_state.step = manager.load()

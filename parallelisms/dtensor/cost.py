@@ -107,13 +107,11 @@ def _spans_hosts(mesh: DeviceMesh, mesh_dim: int, host_size: int) -> bool:
 
 # One object per distinct model, kept alive: plan caches key a model by its id, so equal models (the dry
 # run makes one per estimate) share their plans, and no freed model's id is passed on to another.
-_CANONICAL: dict[CostModel, CostModel] = {}
-_DEFAULT = _CANONICAL.setdefault(CostModel(), CostModel())
+_DEFAULT = CostModel()
+_CANONICAL: dict[CostModel, CostModel] = {_DEFAULT: _DEFAULT}
 
-# context-local, so one thread's planning under a model never changes another's
-_MODEL: ContextVar[CostModel] = ContextVar(
-    "meshtrain_cost_model", default=_DEFAULT
-)  # a frozen model: sharing it is safe
+# context-local, so one thread's planning under a model never changes another's (a frozen default: sharing is safe)
+_MODEL: ContextVar[CostModel] = ContextVar("meshtrain_cost_model", default=_DEFAULT)
 
 
 def cost_model() -> CostModel:

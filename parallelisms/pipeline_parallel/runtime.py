@@ -333,17 +333,20 @@ def _last_weight_actions(actions: Sequence[Action]) -> dict[int, int]:
 def _check_one_reduce_per_stage(actions: Sequence[Action]) -> None:
     """A list with REDUCE_GRAD reduces each stage that computes a backward exactly once, after its last one:
     a stage without would keep unreduced gradients, one reduced early would lose the later microbatches'."""
-    backwards = {a.stage: i for i, a in enumerate(actions) if a.kind in (ActionKind.B, ActionKind.W)}
+    last = _last_weight_actions(actions)
     reduces: dict[int, list[int]] = {}
     for i, a in enumerate(actions):
         if a.kind is ActionKind.REDUCE_GRAD:
             reduces.setdefault(a.stage, []).append(i)
-    wrong = {s: reduces.get(s, []) for s, last in backwards.items() if len(reduces.get(s, [])) != 1
-             or reduces[s][0] < last}  # fmt: skip
-    if wrong or set(reduces) - set(backwards):
+    wrong = sorted(
+        s
+        for s in last.keys() | reduces.keys()
+        if s not in last or len(reduces.get(s, [])) != 1 or reduces[s][0] < last[s]
+    )
+    if wrong:
         raise ValueError(
             f"REDUCE_GRAD must come once per stage, after the stage's last B or W (lower_schedule(reduce_grad=True) "
-            f"places it so); stages {sorted(set(wrong) | (set(reduces) - set(backwards)))} break that"
+            f"places it so); stages {wrong} break that"
         )
 
 
