@@ -93,7 +93,8 @@ def _run(schedule_name: str, stages_per_rank: int, num_microbatches: int) -> dic
     with saved.hooks():  # one microbatch through this rank's stages (and the loss): what one microbatch holds
         held = [_stage_part(model, s)(torch.randn(MB, DIM, requires_grad=True)) for s in mine]
         held += [_loss(held[-1], targets[0])] if num_stages - 1 in mine else []
-        per_microbatch, _ = saved.live, held.clear()
+        per_microbatch = saved.live
+        held.clear()  # frees that microbatch's graph
         saved.peak = 0
         result = runner.step(inputs if 0 in mine else None, targets if num_stages - 1 in mine else None)
     grads = {
