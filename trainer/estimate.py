@@ -242,6 +242,9 @@ def _role_lines(e: Estimate, role: Role, *, margin: float, named: bool) -> list[
 
 
 # ------------------------------------------------------------------------------------------ CLI
+LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
+
+
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(prog="python -m trainer.estimate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--world_size", type=int, required=True, help="ranks of the job (NGPU x NNODES)")
@@ -261,7 +264,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.WARNING, format=LOG_FORMAT)
     logging.getLogger("trainer.estimate_search").setLevel(logging.INFO)  # --search's progress, on stderr
     try:
         device = lookup_device(args.device)

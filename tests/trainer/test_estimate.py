@@ -8,13 +8,13 @@ import json
 import math
 import os
 import subprocess
-import sys
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.trainer.estimate_server import EstimateServer
 from tests.world import run_world
 from trainer.config import load_config
 from trainer.estimate_search import Layout, parameter_count, state_bytes_lower_bound
@@ -35,12 +35,24 @@ MEMORY_KEYS = {"params", "grads", "optimizer", "activations", "temporaries", "co
 LAYOUT_KEYS = {"dp_replicate", "dp_shard", "cp", "tp", "pp"}
 
 
+_SERVER: list[EstimateServer] = []  # the module's one server, started by the first estimate
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_estimate_server() -> Iterator[None]:
+    yield
+    while _SERVER:
+        _SERVER.pop().close()
+
+
 def run_estimate(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    """`python -m trainer.estimate ARGS` in a fresh interpreter (the fake world must not leak into pytest's)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
-    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    command = [sys.executable, "-m", "trainer.estimate", *args]
-    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    """`python -m trainer.estimate ARGS`: its exit status and output, run by the module's estimate server
+    (one fresh interpreter for all of them: the fake world must not leak into pytest's)."""
+    if _SERVER and not _SERVER[0].alive:  # it died or timed out in an earlier test: the next ones get a new one
+        _SERVER.pop()
+    if not _SERVER:
+        _SERVER.append(EstimateServer())
+    return _SERVER[0].run(*args, timeout=timeout)
 
 
 def estimate_json(config: str, world_size: int, *overrides: str, device: str = "cpu") -> dict[str, Any]:
@@ -211,7 +223,14 @@ def test_every_block_traces_the_whole_model_as_the_real_run_does() -> None:
 
 # ------------------------------------------------------------------------ the CLI
 def test_json_has_every_key_of_the_contract() -> None:
-    report = estimate_json("debug_model", 4, "--parallelism.tensor_parallel_degree", "2", device="h100")
+    """Through `./run_train.sh --estimate` in a fresh interpreter, as a user runs it (the world size NGPU x NNODES);
+    the other tests run the same `trainer.estimate.main` in the module's estimate server."""
+    env = {**os.environ, "NGPU": "4", "OMP_NUM_THREADS": "1"}
+    tp2 = ["--parallelism.tensor_parallel_degree", "2"]
+    command = ["./run_train.sh", "--estimate", "--device", "h100", *tp2, "--json"]
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
     assert CONTRACT <= report.keys()
     assert LAYOUT_KEYS == report["layout"].keys()
     rank = report["ranks"][0]
@@ -232,18 +251,14 @@ def test_float8_matmuls_run_at_the_float8_peak_and_their_casts_cost_memory_traff
     eight = ("--training.local_batch_size", "2", "--parallelism.data_parallel_shard_degree", "8")
     float8 = ("--model.converters", "float8", "--quantize.linear.float8.filter_fqns", "output")
     variants = {"bf16": (), "eager": float8, "compiled": (*float8, "--compile.enable")}
-    with ThreadPoolExecutor(2) as pool:  # two interpreters at a time: each estimate runs on one core
-        futures = {name: pool.submit(estimate_json, "llama3_8b", 8, *eight, *extra, device="h100")
-                   for name, extra in variants.items()}  # fmt: skip
-        refused = pool.submit(run_estimate, "--model.converters", "float8", "--world_size", "8", "--device", "a100")
-        runs = {name: future.result() for name, future in futures.items()}
+    runs = {name: estimate_json("llama3_8b", 8, *eight, *extra, device="h100") for name, extra in variants.items()}
     flops = {name: run["ranks"][0]["executed_flops_per_step"] for name, run in runs.items()}
     assert flops["bf16"] == flops["eager"] == flops["compiled"]
     assert runs["bf16"]["ranks"][0]["float8_flops_per_step"] == 0
     assert 0.6 < runs["eager"]["ranks"][0]["float8_flops_per_step"] / flops["eager"] < 1  # the linears, not output
     steps = {name: run["step_time_s"] for name, run in runs.items()}
     assert steps["compiled"] < steps["eager"] < 1.05 * steps["bf16"], steps
-    done = refused.result()
+    done = run_estimate("--model.converters", "float8", "--world_size", "8", "--device", "a100")
     assert done.returncode == 2 and "no float8 tensor cores" in done.stderr, done.stderr
 
 
