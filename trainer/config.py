@@ -72,9 +72,11 @@ def parse_value(raw: Any, tp: Any, name: str) -> Any:
         if raw is None or (isinstance(raw, str) and raw.lower() in ("none", "null")):
             return None
         return parse_value(raw, args[0], name)
-    if origin is list:  # a TOML array, or a comma-separated CLI string (";" between inner lists)
+    if origin is list:  # a TOML array; on the CLI also one written as in TOML, or comma-separated (";" between lists)
         inner = typing.get_args(tp)[0]
         nested = typing.get_origin(inner) is list
+        if isinstance(raw, str) and raw.lstrip().startswith("["):
+            raw = _toml_array(raw, name)
         items = raw.split(";" if nested else ",") if isinstance(raw, str) else raw
         if not isinstance(items, list):
             raise TypeError(f"{name}={raw!r}: expected a list (TOML array or comma-separated)")
@@ -98,6 +100,18 @@ def parse_value(raw: Any, tp: Any, name: str) -> Any:
             raise TypeError(f"{name}={raw!r}: expected a string")
         return raw
     raise TypeError(f"{name}: unsupported field type {tp}")
+
+
+def _toml_array(raw: str, name: str) -> list[Any]:
+    """A CLI value written as a TOML array, e.g. '[["tok_embeddings", "layers.0"], ["layers.1", "norm", "output"]]'
+    (JSON's syntax is TOML's here)."""
+    try:
+        return tomllib.loads(f"value = {raw}")["value"]
+    except tomllib.TOMLDecodeError as error:
+        raise ValueError(
+            f"{name}={raw!r}: not a TOML array ({error}); quote every string, e.g. [\"a\", \"b\"], or write "
+            f"the list comma-separated (a,b), with ';' between inner lists (a,b;c)"
+        ) from None
 
 
 def _parse_number(raw: Any, tp: type, name: str) -> int | float:

@@ -20,7 +20,8 @@ from .job_config import JobConfig
 USAGE = """usage: ./run_train.sh [--section.key value ...]    (or python -m trainer.train ...)
 
 Keys come from dataclass defaults < the TOML file of --job.config_file < the command line.
-Sections and keys are torchtitan v0.2.0's; a bool key alone means true (--checkpoint.enable).
+Sections and keys are torchtitan v0.2.0's; a bool key alone means true (--checkpoint.enable); a list is
+written as in TOML ('["a", "b"]', '[["a"], ["b", "c"]]') or comma-separated, ';' between inner lists (a;b,c).
 Environment of run_train.sh: NGPU, CONFIG_FILE, LOG_RANK, NNODES, NODE_RANK, RDZV_ENDPOINT, MAX_RESTARTS."""
 
 

@@ -121,3 +121,17 @@ def test_list_of_lists_from_the_command_line() -> None:
     cfg = load_config(["--parallelism.module_fqns_per_model_part", "tok_embeddings,layers.0;layers.1,norm,output"])
     parts = cfg.parallelism.module_fqns_per_model_part
     assert parts == [["tok_embeddings", "layers.0"], ["layers.1", "norm", "output"]]
+
+
+def test_lists_written_as_in_toml_on_the_command_line() -> None:
+    """torchtitan's configs spell these values as TOML arrays; the same text works on the command line (where
+    it used to be split at its commas into bracketed, quoted names), and a malformed one names the key."""
+    parts = '[["tok_embeddings", "layers.0"], ["layers.1", "norm", "output"]]'
+    cfg = load_config(["--parallelism.module_fqns_per_model_part", parts, "--model.converters", '["float8"]'])
+    expected = [["tok_embeddings", "layers.0"], ["layers.1", "norm", "output"]]
+    assert cfg.parallelism.module_fqns_per_model_part == expected
+    assert cfg.model.converters == ["float8"]
+    with pytest.raises(ValueError, match=r"module_fqns_per_model_part=.*not a TOML array.*quote every string"):
+        load_config(["--parallelism.module_fqns_per_model_part", "[[tok_embeddings]]"])
+    with pytest.raises(TypeError, match=r"model.converters=1: expected a string"):
+        load_config(["--model.converters", "[1]"])
