@@ -37,7 +37,7 @@ from .job_config import (  # noqa: F401  (re-exported: components import their s
 
 
 # ------------------------------------------------------------------------------------ parsing
-def _did_you_mean(name: str, choices: typing.Iterable[str]) -> str:
+def did_you_mean(name: str, choices: typing.Iterable[str]) -> str:
     close = difflib.get_close_matches(name, list(choices), n=1)
     return f"; did you mean {close[0]!r}?" if close else ""
 
@@ -55,12 +55,12 @@ def _resolve(cfg: JobConfig, dotted: str, where: str) -> tuple[Any, str, Any]:
         if name not in hints or not _is_section(hints[name]):
             sections = [n for n, t in hints.items() if _is_section(t)]
             table = ".".join(path[: depth + 1])
-            raise ValueError(f"unknown config section [{table}] in {where}{_did_you_mean(name, sections)}")
+            raise ValueError(f"unknown config section [{table}] in {where}{did_you_mean(name, sections)}")
         obj = getattr(obj, name)
     hints = typing.get_type_hints(type(obj))
     if not path or key not in hints or _is_section(hints[key]):
         choices = [n for n, t in hints.items() if not _is_section(t)]
-        raise ValueError(f"unknown config key {dotted} in {where}{_did_you_mean(key, choices)}")
+        raise ValueError(f"unknown config key {dotted} in {where}{did_you_mean(key, choices)}")
     return obj, key, hints[key]
 
 
@@ -109,7 +109,7 @@ def _toml_array(raw: str, name: str) -> list[Any]:
         return tomllib.loads(f"value = {raw}")["value"]
     except tomllib.TOMLDecodeError as error:
         raise ValueError(
-            f"{name}={raw!r}: not a TOML array ({error}); quote every string, e.g. [\"a\", \"b\"], or write "
+            f'{name}={raw!r}: not a TOML array ({error}); quote every string, e.g. ["a", "b"], or write '
             f"the list comma-separated (a,b), with ';' between inner lists (a,b;c)"
         ) from None
 

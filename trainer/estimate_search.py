@@ -31,6 +31,7 @@ from .devices import GIB, Device, gpus_per_node
 from .estimate import Estimate, estimate
 from .estimate_step import job_vocab_size
 from .job_config import JobConfig
+from .preflight import check_names
 from .train import build_model, build_parallel_dims
 
 logger = logging.getLogger(__name__)
@@ -108,6 +109,7 @@ def search(
     config's own command line (the candidates' overrides go after it); the default rebuilds it from `cfg`.
     Layouts whose model state cannot fit are dropped without an estimate (`state_bytes_lower_bound`); the
     others are estimated on `workers` processes (default: one per core this process may use)."""
+    check_names(cfg)  # the candidates' own estimates check the rest, each with its degrees
     base = argv if argv is not None else ["--job.config_file", cfg.job.config_file or ""]
     budget = device.memory_bytes * (1 - margin)
     batch = global_batch(cfg, world_size)

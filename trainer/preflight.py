@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .config import JobConfig, load_config
+from .config import JobConfig, did_you_mean, load_config
 
 if TYPE_CHECKING:  # the pre-flight runs before torch is imported
     from parallelisms.pipeline_parallel import ScheduleSpec
@@ -67,6 +67,7 @@ def check_config(cfg: JobConfig, world_size: int | None = None, *, local_files: 
         value = _get(cfg, key)
         if not ok(value):
             raise ValueError(f"{key}={value!r}: must be {want}")
+    check_names(cfg)
     _check_unavailable(cfg)
     _check_converters(cfg)
     _check_paths(cfg)
@@ -170,6 +171,22 @@ _UNAVAILABLE: list[tuple[str, Callable[[Any], bool], str]] = [
      "memory_budget needs torch.compile's min-cut partitioner, which cannot trace meshtrain's DTensor; use "
      "'selective' or 'full'"),
 ]  # fmt: skip
+
+
+def check_names(cfg: JobConfig) -> None:
+    """The model, its flavor and the optimizer the config names exist here (before, a typo in a flavor
+    launched every rank only for each to fail building the model)."""
+    from models.llama3.args import llama3_configs  # dataclasses only, no torch
+
+    if cfg.model.name != "llama3":
+        raise ValueError(f"model.name={cfg.model.name!r}: only 'llama3' is available")
+    if cfg.model.flavor not in llama3_configs:
+        raise ValueError(
+            f"model.flavor={cfg.model.flavor!r}: expected one of {list(llama3_configs)}"
+            f"{did_you_mean(cfg.model.flavor, llama3_configs)}"
+        )
+    if cfg.optimizer.name != "AdamW":
+        raise ValueError(f"optimizer.name={cfg.optimizer.name!r}: only 'AdamW' is available")
 
 
 def _check_unavailable(cfg: JobConfig) -> None:
@@ -316,8 +333,6 @@ def _check_pipeline_split(cfg: JobConfig, spec: ScheduleSpec) -> None:
     from .pipeline_schedule import stage_fqns, stages_per_rank
 
     p, training = cfg.parallelism, cfg.training
-    if cfg.model.flavor not in llama3_configs:
-        return
     pp, microbatches = p.pipeline_parallel_degree, training.local_batch_size // p.pipeline_parallel_microbatch_size
     per_rank = stages_per_rank(cfg, spec)
     stage_fqns(cfg, pp * per_rank, llama3_configs[cfg.model.flavor].n_layers)
@@ -407,8 +422,6 @@ def _check_tp_divides_model(cfg: JobConfig) -> None:
     from models.llama3.args import llama3_configs  # dataclasses only, no torch
 
     tp = cfg.parallelism.tensor_parallel_degree
-    if cfg.model.name != "llama3" or cfg.model.flavor not in llama3_configs:
-        return  # build_model names the bad flavor
     args = llama3_configs[cfg.model.flavor]
     kv = args.n_heads if args.n_kv_heads is None else args.n_kv_heads
     for what, n in (("n_heads", args.n_heads), ("n_kv_heads", kv)):

@@ -152,10 +152,7 @@ def build_model(cfg: JobConfig, vocab_size: int, *, n_layers: int | None = None)
     """The flavor's Transformer on the meta device (no memory; `init_model` allocates the shards
     after parallelization), its vocabulary the tokenizer's and max_seq_len seq_len; with `n_layers`, only
     its first blocks (the dry run's sampled traces)."""
-    if cfg.model.name != "llama3":
-        raise ValueError(f"model.name={cfg.model.name!r}: only 'llama3' is available")
-    if cfg.model.flavor not in llama3_configs:
-        raise ValueError(f"model.flavor={cfg.model.flavor!r}: expected one of {sorted(llama3_configs)}")
+    # the model's name and flavor: checked by check_config, as every entry point runs it first
     args = dataclasses.replace(
         llama3_configs[cfg.model.flavor], vocab_size=vocab_size, max_seq_len=cfg.training.seq_len
     )
