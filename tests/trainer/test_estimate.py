@@ -224,13 +224,15 @@ def test_every_block_traces_the_whole_model_as_the_real_run_does() -> None:
 # ------------------------------------------------------------------------ the CLI
 def test_json_has_every_key_of_the_contract() -> None:
     """Through `./run_train.sh --estimate` in a fresh interpreter, as a user runs it (the world size NGPU x NNODES);
-    the other tests run the same `trainer.estimate.main` in the module's estimate server."""
+    the other tests run the same `trainer.estimate.main` in the module's estimate server, which must answer
+    exactly as the fresh interpreter does after the estimates it ran before (no state carried between them)."""
     env = {**os.environ, "NGPU": "4", "OMP_NUM_THREADS": "1"}
     tp2 = ["--parallelism.tensor_parallel_degree", "2"]
     command = ["./run_train.sh", "--estimate", "--device", "h100", *tp2, "--json"]
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)
+    assert estimate_json("debug_model", 4, *tp2, device="h100") == report
     assert CONTRACT <= report.keys()
     assert LAYOUT_KEYS == report["layout"].keys()
     rank = report["ranks"][0]
