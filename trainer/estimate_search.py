@@ -28,7 +28,7 @@ from models.llama3 import llama3_configs
 
 from .config import load_config
 from .devices import GIB, Device, gpus_per_node
-from .estimate import Estimate, estimate
+from .estimate import LOG_FORMAT, Estimate, estimate
 from .estimate_step import job_vocab_size
 from .job_config import JobConfig
 from .preflight import check_names
@@ -171,7 +171,7 @@ def state_bytes_lower_bound(cfg: JobConfig, n_params: int, layout: Layout) -> fl
 
 
 def _init_worker() -> None:
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.WARNING, format=LOG_FORMAT)
     logger.setLevel(logging.INFO)
 
 
