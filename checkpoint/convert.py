@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from models.llama3 import TransformerModelArgs, llama3_configs
+from models.llama3 import TransformerModelArgs, llama3_configs, parameter_shapes
 from models.llama3 import hf_adapter as hf
 
 from .distributed import save
@@ -67,9 +67,7 @@ def to_hf(
     args = resolve_model_args(index, ckpt, flavor)
     tied = MODEL_PREFIX + "output.weight" not in index.tensors
     target = DTYPES[dtype]
-    sizes = {
-        fqn: math.prod(shape) * target.itemsize for fqn, shape in hf.parameter_shapes(args, output=not tied).items()
-    }
+    sizes = {fqn: math.prod(shape) * target.itemsize for fqn, shape in parameter_shapes(args, output=not tied).items()}
     shards = plan_shards(sizes, max_shard_size)
     tmp = _start_output(out)
     try:
@@ -141,7 +139,7 @@ def _args_from_flavor(index: Index, ckpt: Path, model_keys: list[str], flavor: s
 
 def _check_shapes(args: TransformerModelArgs, index: Index, ckpt: Path, model_keys: list[str]) -> None:
     tied = "output.weight" not in model_keys
-    expected = hf.parameter_shapes(args, output=not tied)
+    expected = parameter_shapes(args, output=not tied)
     problems = [f"{k}: missing" for k in expected if k not in model_keys]
     problems += [f"{k}: not a parameter of this model" for k in model_keys if k not in expected]
     for k in model_keys:
@@ -193,7 +191,7 @@ def from_hf(hf_dir: str | Path, out: str | Path, *, dtype: str = "float32") -> P
     tied = args.tie_word_embeddings
     if "lm_head.weight" not in files and not tied:
         raise ValueError(f"{hf_dir} has no lm_head.weight and its config says tie_word_embeddings=false")
-    expected = hf.parameter_shapes(args)
+    expected = parameter_shapes(args)
     model = _read_hf_tensors(hf_dir, files, args, expected, DTYPES[dtype], tied)
     _refuse_existing(out)  # again: it may have appeared while reading
     if out.is_dir():

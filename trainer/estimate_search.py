@@ -17,6 +17,7 @@ the smallest is never worse.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import multiprocessing
@@ -32,7 +33,8 @@ from .estimate import LOG_FORMAT, Estimate, estimate
 from .estimate_step import job_vocab_size
 from .job_config import JobConfig
 from .preflight import check_names
-from .train import build_model, build_parallel_dims
+from .state_floor import state_bytes_lower_bound
+from .train import build_parallel_dims
 
 logger = logging.getLogger(__name__)
 AC_MODES = ("none", "selective", "full")
@@ -151,23 +153,8 @@ def _search_family(
 
 
 def parameter_count(cfg: JobConfig) -> int:
-    """The model's parameters (built on meta with the job's vocabulary)."""
-    return sum(p.numel() for p in build_model(cfg, job_vocab_size(cfg)).parameters())
-
-
-def state_bytes_lower_bound(cfg: JobConfig, n_params: int, layout: Layout) -> float:
-    """A floor under the busiest rank's parameters, gradients and AdamW's two moments (and, under PP with
-    FSDP, its stage's gathered parameters): every parameter split evenly over the ranks that shard it (tp,
-    FSDP's dp_shard x cp, pp stages). The real shards are never smaller on the busiest rank (replicated norms,
-    uneven chunks and stages only add), so a layout over the budget on this floor cannot fit."""
-    element = 2 if cfg.training.dtype == "bfloat16" else 4
-    state = 4 * element * n_params / (layout.tp * layout.dp_shard * layout.cp * layout.pp)
-    if layout.pp > 1 and layout.dp_shard * layout.cp > 1 and cfg.parallelism.fsdp_reshard_after_forward != "always":
-        # under PP, FSDP keeps a stage's parameters gathered through the step (trainer: reshard_after_forward
-        # = not pp; the runtime: no reshard before the stage's last backward): all of them at its first forward
-        gathered = 2 if cfg.training.mixed_precision_param == "bfloat16" else element
-        state += gathered * n_params / (layout.tp * layout.pp)
-    return state
+    """The model's parameters at the job's vocabulary, counted from the flavor's shapes."""
+    return dataclasses.replace(llama3_configs[cfg.model.flavor], vocab_size=job_vocab_size(cfg)).parameter_count
 
 
 def _init_worker() -> None:

@@ -18,8 +18,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .config import JobConfig, did_you_mean, load_config
+from .state_floor import available_host_memory, check_host_memory, runs_on_cpu
 
 if TYPE_CHECKING:  # the pre-flight runs before torch is imported
+    from parallelisms.parallel_dims import ParallelDims
     from parallelisms.pipeline_parallel import ScheduleSpec
 
 # (key, check, what it must be) for values that have a valid range
@@ -73,16 +75,9 @@ def check_config(cfg: JobConfig, world_size: int | None = None, *, local_files: 
     _check_paths(cfg)
     warnings = _schedule_warnings(cfg) + _feature_warnings(cfg) + _float8_warnings(cfg)
     if world_size is not None:  # the degree arithmetic and the accumulation split, where they live
-        from parallelisms.parallel_dims import ParallelDims
-
         from .data_files import accumulation_steps
 
-        p = cfg.parallelism
-        dims = ParallelDims(
-            dp_replicate=p.data_parallel_replicate_degree, dp_shard=p.data_parallel_shard_degree,
-            cp=p.context_parallel_degree, tp=p.tensor_parallel_degree, pp=p.pipeline_parallel_degree,
-            world_size=world_size,
-        )  # fmt: skip
+        dims = parallel_dims(cfg, world_size)
         if cfg.training.global_batch_size != -1:
             accumulation_steps(
                 cfg.training.global_batch_size, cfg.training.local_batch_size, dims.dp_replicate * dims.dp_shard
@@ -171,6 +166,18 @@ _UNAVAILABLE: list[tuple[str, Callable[[Any], bool], str]] = [
      "memory_budget needs torch.compile's min-cut partitioner, which cannot trace meshtrain's DTensor; use "
      "'selective' or 'full'"),
 ]  # fmt: skip
+
+
+def parallel_dims(cfg: JobConfig, world_size: int) -> ParallelDims:
+    """The config's degrees on `world_size` ranks (ValueError naming the arithmetic when they do not fit)."""
+    from parallelisms.parallel_dims import ParallelDims
+
+    p = cfg.parallelism
+    return ParallelDims(
+        dp_replicate=p.data_parallel_replicate_degree, dp_shard=p.data_parallel_shard_degree,
+        cp=p.context_parallel_degree, tp=p.tensor_parallel_degree, pp=p.pipeline_parallel_degree,
+        world_size=world_size,
+    )  # fmt: skip
 
 
 def check_names(cfg: JobConfig) -> None:
@@ -458,9 +465,13 @@ def _check_sequence_split(key: str, seq_len: int, cfg: JobConfig) -> None:
 def main(argv: list[str]) -> int:
     try:
         cfg = load_config(argv)
-        world = int(os.environ.get("NGPU", "1")) * int(os.environ.get("NNODES", "1"))
+        ranks_here = int(os.environ.get("NGPU", "1"))
+        world = ranks_here * int(os.environ.get("NNODES", "1"))
         for warning in check_config(cfg, world):
             print(f"config warning: {warning}", file=sys.stderr)
+        available = available_host_memory()
+        if runs_on_cpu() and available is not None:  # GPU memory is the dry run's to check (--estimate)
+            check_host_memory(cfg, parallel_dims(cfg, world), ranks_here, available)
         log_rank = os.environ.get("LOG_RANK", "0")
         for r in log_rank.split(","):
             if r.strip() and not 0 <= int(r) < world:

@@ -6,12 +6,12 @@ any process imports torch.
 
 from typing import TYPE_CHECKING, Any
 
-from .args import RoPEScalingArgs, TransformerModelArgs, llama3_configs
+from .args import RoPEScalingArgs, TransformerModelArgs, llama3_configs, parameter_shapes
 
 if TYPE_CHECKING:
     from .model import Transformer
 
-__all__ = ["RoPEScalingArgs", "Transformer", "TransformerModelArgs", "llama3_configs"]
+__all__ = ["RoPEScalingArgs", "Transformer", "TransformerModelArgs", "llama3_configs", "parameter_shapes"]
 
 
 def __getattr__(name: str) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -75,6 +76,47 @@ class TransformerModelArgs:
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        """The SwiGLU width: 2/3 of a 4 * dim GELU MLP's (the same parameter count), times ffn_dim_multiplier,
+        rounded up to a multiple of multiple_of."""
+        hidden = int(2 * (4 * self.dim) / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+    @property
+    def parameter_count(self) -> int:
+        """The model's parameters, counted from its shapes (no torch needed: the pre-flight's memory floor)."""
+        return sum(math.prod(shape) for shape in parameter_shapes(self).values())
+
+
+def parameter_shapes(args: TransformerModelArgs, *, output: bool | None = None) -> dict[str, tuple[int, ...]]:
+    """Our FQN -> shape of every parameter of `Transformer(args)`, in Hugging Face's file order (blocks in
+    number order); without `output` when the output projection is tied to the embedding (by default when
+    `args.tie_word_embeddings`)."""
+    output = not args.tie_word_embeddings if output is None else output
+    n_kv = args.n_heads if args.n_kv_heads is None else args.n_kv_heads
+    q, kv, ffn = args.n_heads * args.head_dim, n_kv * args.head_dim, args.ffn_hidden_dim
+    block = {
+        "attention.wq.weight": (q, args.dim),
+        "attention.wk.weight": (kv, args.dim),
+        "attention.wv.weight": (kv, args.dim),
+        "attention.wo.weight": (args.dim, q),
+        "feed_forward.w1.weight": (ffn, args.dim),
+        "feed_forward.w3.weight": (ffn, args.dim),
+        "feed_forward.w2.weight": (args.dim, ffn),
+        "attention_norm.weight": (args.dim,),
+        "ffn_norm.weight": (args.dim,),
+    }
+    shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (args.vocab_size, args.dim)}
+    for i in range(args.n_layers):
+        shapes.update({f"layers.{i}.{k}": v for k, v in block.items()})
+    shapes["norm.weight"] = (args.dim,)
+    if output:
+        shapes["output.weight"] = (args.vocab_size, args.dim)
+    return shapes
 
 
 # Llama 3.1's RoPE scaling (x8 for 128K context): torchtitan's 8B/70B/405B use it too, and Llama 3.1

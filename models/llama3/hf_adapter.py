@@ -112,42 +112,6 @@ def from_hf_tensor(fqn: str, w: torch.Tensor, args: TransformerModelArgs) -> tor
     return w if heads is None else permute_from_hf(w, heads)
 
 
-# ----------------------------------------------------------------------------- shapes
-def ffn_hidden_dim(args: TransformerModelArgs) -> int:
-    """The SwiGLU width FeedForward builds from `args` (HF's intermediate_size)."""
-    hidden = int(2 * (4 * args.dim) / 3)
-    if args.ffn_dim_multiplier is not None:
-        hidden = int(args.ffn_dim_multiplier * hidden)
-    return args.multiple_of * ((hidden + args.multiple_of - 1) // args.multiple_of)
-
-
-def parameter_shapes(args: TransformerModelArgs, *, output: bool | None = None) -> dict[str, tuple[int, ...]]:
-    """Our FQN -> shape of every parameter of `Transformer(args)`, in HF's file order (blocks in
-    number order); without `output` when the output projection is tied to the embedding (by
-    default when `args.tie_word_embeddings`)."""
-    output = not args.tie_word_embeddings if output is None else output
-    n_kv = args.n_heads if args.n_kv_heads is None else args.n_kv_heads
-    q, kv, ffn = args.n_heads * args.head_dim, n_kv * args.head_dim, ffn_hidden_dim(args)
-    block = {
-        "attention.wq.weight": (q, args.dim),
-        "attention.wk.weight": (kv, args.dim),
-        "attention.wv.weight": (kv, args.dim),
-        "attention.wo.weight": (args.dim, q),
-        "feed_forward.w1.weight": (ffn, args.dim),
-        "feed_forward.w3.weight": (ffn, args.dim),
-        "feed_forward.w2.weight": (args.dim, ffn),
-        "attention_norm.weight": (args.dim,),
-        "ffn_norm.weight": (args.dim,),
-    }
-    shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (args.vocab_size, args.dim)}
-    for i in range(args.n_layers):
-        shapes.update({f"layers.{i}.{k}": v for k, v in block.items()})
-    shapes["norm.weight"] = (args.dim,)
-    if output:
-        shapes["output.weight"] = (args.vocab_size, args.dim)
-    return shapes
-
-
 # ------------------------------------------------------------------------------ config.json
 def hf_config(args: TransformerModelArgs, *, dtype: str, tie_word_embeddings: bool | None = None) -> dict[str, Any]:
     """The `config.json` of `LlamaForCausalLM` for `Transformer(args)` stored in `dtype` (tied as
@@ -158,7 +122,7 @@ def hf_config(args: TransformerModelArgs, *, dtype: str, tie_word_embeddings: bo
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_size": args.dim,
-        "intermediate_size": ffn_hidden_dim(args),
+        "intermediate_size": args.ffn_hidden_dim,
         "num_hidden_layers": args.n_layers,
         "num_attention_heads": args.n_heads,
         "num_key_value_heads": args.n_heads if args.n_kv_heads is None else args.n_kv_heads,
@@ -271,7 +235,7 @@ def _ffn_shape(dim: int, intermediate_size: int) -> tuple[int, float | None]:
     candidates += [(m, f) for f in (None, 1.3, 1.5, 1.2) for m in (1024, 512, 256, 128, 64, 32, 16, 8)]
     for multiple_of, multiplier in candidates:
         trial = dataclasses.replace(probe, multiple_of=multiple_of, ffn_dim_multiplier=multiplier)
-        if ffn_hidden_dim(trial) == intermediate_size:
+        if trial.ffn_hidden_dim == intermediate_size:
             return multiple_of, multiplier
     # rounding up to a multiple of the width itself lands on it for any raw width in (0, width]
     raw = int(2 * (4 * dim) / 3)
@@ -290,7 +254,7 @@ def closest_flavor(args: TransformerModelArgs) -> str:
 def _architecture(args: TransformerModelArgs) -> tuple[Any, ...]:
     """What the weights and the forward depend on (not how the FFN width was written, nor init)."""
     n_kv = args.n_heads if args.n_kv_heads is None else args.n_kv_heads
-    return (args.dim, args.n_layers, args.n_heads, n_kv, ffn_hidden_dim(args), args.norm_eps, args.rope_theta,
+    return (args.dim, args.n_layers, args.n_heads, n_kv, args.ffn_hidden_dim, args.norm_eps, args.rope_theta,
             args.rope_scaling, args.tie_word_embeddings)  # fmt: skip
 
 

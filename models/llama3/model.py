@@ -114,14 +114,10 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """SwiGLU MLP (Shazeer 2020): w2(silu(w1 x) * w3 x)."""
+    """SwiGLU MLP (Shazeer 2020): w2(silu(w1 x) * w3 x), `hidden_dim` wide (TransformerModelArgs.ffn_hidden_dim)."""
 
-    def __init__(self, dim: int, hidden_dim: int, multiple_of: int, ffn_dim_multiplier: float | None) -> None:
+    def __init__(self, dim: int, hidden_dim: int) -> None:
         super().__init__()
-        hidden_dim = int(2 * hidden_dim / 3)  # keeps the parameter count of a 4*dim GELU MLP
-        if ffn_dim_multiplier is not None:
-            hidden_dim = int(ffn_dim_multiplier * hidden_dim)
-        hidden_dim = multiple_of * ((hidden_dim + multiple_of - 1) // multiple_of)
         self.w1 = nn.Linear(dim, hidden_dim, bias=False)
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
@@ -141,7 +137,7 @@ class TransformerBlock(nn.Module):
     def __init__(self, layer_id: int, args: TransformerModelArgs) -> None:
         super().__init__()
         self.attention = Attention(args)
-        self.feed_forward = FeedForward(args.dim, 4 * args.dim, args.multiple_of, args.ffn_dim_multiplier)
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
         self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
         # residual-branch outputs scaled down with depth (GPT-2 / torchtitan's depth_init)

@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 import checkpoint
 from checkpoint import convert
 from checkpoint.stateful import ModelState
-from models.llama3 import RoPEScalingArgs, Transformer, TransformerModelArgs, llama3_configs
+from models.llama3 import RoPEScalingArgs, Transformer, TransformerModelArgs, llama3_configs, parameter_shapes
 from models.llama3 import hf_adapter as hf
 from tests.world import run_world
 
@@ -45,7 +45,7 @@ def _model(args: TransformerModelArgs, seed: int = 0) -> Transformer:
 def _random_state(args: TransformerModelArgs) -> dict[str, torch.Tensor]:
     """Random weights of `Transformer(args)`'s shapes (cheaper than building a flavor-sized model)."""
     g = torch.Generator().manual_seed(5)
-    return {k: torch.randn(shape, generator=g) for k, shape in hf.parameter_shapes(args).items()}
+    return {k: torch.randn(shape, generator=g) for k, shape in parameter_shapes(args).items()}
 
 
 def _metadata(args: TransformerModelArgs) -> dict:

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from models.llama3 import RoPEScalingArgs, Transformer, TransformerModelArgs, llama3_configs
+from models.llama3 import RoPEScalingArgs, Transformer, TransformerModelArgs, llama3_configs, parameter_shapes
 from models.llama3 import hf_adapter as hf
 from models.llama3.model import apply_rotary_emb, precompute_freqs_cis, scale_rope_freqs
 
@@ -31,7 +31,19 @@ def test_parameter_shapes_are_the_models() -> None:
     for args in (ARGS, llama3_configs["8B"], dataclasses.replace(llama3_configs["70B"], n_layers=1)):
         with torch.device("meta"):
             model = Transformer(args)
-        assert hf.parameter_shapes(args) == {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        assert parameter_shapes(args) == {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def test_parameter_count_is_the_models_and_the_published_one() -> None:
+    """Counted from the shapes without torch (the pre-flight's memory floor): the model's own parameters for
+    every flavor (the tied 1B's shared table once), and Llama 3.1's published counts at its vocabulary."""
+    for name, flavor in llama3_configs.items():
+        args = dataclasses.replace(flavor, n_layers=2, vocab_size=1000)
+        with torch.device("meta"):
+            model = Transformer(args)
+        assert args.parameter_count == sum(p.numel() for p in model.parameters()), name
+    published = {"8B": 8_030_261_248, "70B": 70_553_706_496, "405B": 405_853_388_800}
+    assert {name: llama3_configs[name].parameter_count for name in published} == published
 
 
 def test_permutation_turns_interleaved_rope_into_rotate_half() -> None:
@@ -66,7 +78,7 @@ def test_hf_config_round_trips_every_flavor(name: str) -> None:
     args = llama3_configs[name]
     config = hf.hf_config(args, dtype="bfloat16")
     back = hf.args_from_hf_config(config)
-    assert hf.ffn_hidden_dim(back) == hf.ffn_hidden_dim(args) == config["intermediate_size"]
+    assert back.ffn_hidden_dim == args.ffn_hidden_dim == config["intermediate_size"]
     assert hf.closest_flavor(back) == name
     assert hf.hf_config(back, dtype="bfloat16") == config
 
@@ -89,7 +101,7 @@ def test_hf_config_describes_rope_scaling_and_reads_both_transformers_formats() 
 def test_intermediate_sizes_no_flavor_uses_are_matched_exactly() -> None:
     for dim, width in ((64, 1000), (64, 8), (2048, 8192), (3072, 8192)):
         config = hf.hf_config(dataclasses.replace(ARGS, dim=dim), dtype="float32") | {"intermediate_size": width}
-        assert hf.ffn_hidden_dim(hf.args_from_hf_config(config)) == width
+        assert hf.args_from_hf_config(config).ffn_hidden_dim == width
 
 
 def test_model_args_json_round_trips() -> None:

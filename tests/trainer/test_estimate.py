@@ -17,7 +17,8 @@ import pytest
 from tests.trainer.estimate_server import EstimateServer
 from tests.world import run_world
 from trainer.config import load_config
-from trainer.estimate_search import Layout, parameter_count, state_bytes_lower_bound
+from trainer.estimate_search import Layout, parameter_count
+from trainer.state_floor import state_bytes_lower_bound
 
 REPO = Path(__file__).resolve().parents[2]
 CONTRACT = {

@@ -115,3 +115,29 @@ def test_a_checkpoint_folder_that_cannot_be_created_names_the_key(tmp_path: Path
 def test_initial_load_path_is_checked_without_checkpoint_enable(tmp_path: Path) -> None:
     done = _preflight("--checkpoint.initial_load_path", str(tmp_path / "nowhere"))
     assert done.returncode == 1 and "is not a committed checkpoint" in done.stderr, done.stderr
+
+
+def test_a_model_whose_state_cannot_fit_host_memory_is_refused_before_launch() -> None:
+    """On CPU ranks the model's state (parameters, gradients, AdamW's moments: 16 bytes a float32 parameter,
+    split over the ranks that shard it) must fit in the memory the kernel reports available; 8B on 2 ranks
+    needs 60 GiB a rank, which would otherwise allocate for minutes and end in the OOM killer."""
+    from trainer.preflight import parallel_dims
+    from trainer.state_floor import GIB, check_host_memory
+
+    eight_b = load_config(["--model.flavor", "8B", "--model.vocab_size", "128256"])
+    with pytest.raises(ValueError, match=r"model.flavor='8B' does not fit this machine: its 8,030,261,248 "
+                                         r"parameters.* 59.8 GiB a rank .*119.7 GiB for the 2 ranks here"):  # fmt: skip
+        check_host_memory(eight_b, parallel_dims(eight_b, 2), 2, available=24 * GIB)
+    check_host_memory(eight_b, parallel_dims(eight_b, 16), 2, available=24 * GIB)  # 7.5 GiB a rank: fits
+    check_host_memory(load_config([]), parallel_dims(load_config([]), 2), 2, available=GIB)  # the default job
+
+
+@pytest.mark.skipif(not Path("/proc/meminfo").exists(), reason="reads Linux's MemAvailable")
+def test_run_train_sh_refuses_a_model_no_machine_here_can_hold() -> None:
+    import shutil
+
+    if shutil.which("nvidia-smi"):
+        pytest.skip("a GPU machine: its ranks hold the model in device memory (the dry run's to check)")
+    rc, last, seconds = _run(["--model.flavor", "405B", "--model.vocab_size", "128256"])
+    assert rc == 1 and "model.flavor='405B' does not fit this machine" in last and "train a smaller" in last, last
+    assert seconds < 20, seconds
