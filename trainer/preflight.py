@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .config import JobConfig, did_you_mean, load_config
+from .config import JobConfig, Parallelism, did_you_mean, load_config
 from .state_floor import available_host_memory, check_host_memory, runs_on_cpu
 
 if TYPE_CHECKING:  # the pre-flight runs before torch is imported
@@ -77,7 +77,7 @@ def check_config(cfg: JobConfig, world_size: int | None = None, *, local_files: 
     if world_size is not None:  # the degree arithmetic and the accumulation split, where they live
         from .data_files import accumulation_steps
 
-        dims = parallel_dims(cfg, world_size)
+        dims = build_parallel_dims(cfg.parallelism, world_size)
         if cfg.training.global_batch_size != -1:
             accumulation_steps(
                 cfg.training.global_batch_size, cfg.training.local_batch_size, dims.dp_replicate * dims.dp_shard
@@ -168,11 +168,10 @@ _UNAVAILABLE: list[tuple[str, Callable[[Any], bool], str]] = [
 ]  # fmt: skip
 
 
-def parallel_dims(cfg: JobConfig, world_size: int) -> ParallelDims:
+def build_parallel_dims(p: Parallelism, world_size: int) -> ParallelDims:
     """The config's degrees on `world_size` ranks (ValueError naming the arithmetic when they do not fit)."""
     from parallelisms.parallel_dims import ParallelDims
 
-    p = cfg.parallelism
     return ParallelDims(
         dp_replicate=p.data_parallel_replicate_degree, dp_shard=p.data_parallel_shard_degree,
         cp=p.context_parallel_degree, tp=p.tensor_parallel_degree, pp=p.pipeline_parallel_degree,
@@ -471,7 +470,7 @@ def main(argv: list[str]) -> int:
             print(f"config warning: {warning}", file=sys.stderr)
         available = available_host_memory()
         if runs_on_cpu() and available is not None:  # GPU memory is the dry run's to check (--estimate)
-            check_host_memory(cfg, parallel_dims(cfg, world), ranks_here, available)
+            check_host_memory(cfg, build_parallel_dims(cfg.parallelism, world), ranks_here, available)
         log_rank = os.environ.get("LOG_RANK", "0")
         for r in log_rank.split(","):
             if r.strip() and not 0 <= int(r) < world:

@@ -34,10 +34,9 @@ from models.llama3.parallelize import parallelize_llama
 from parallelisms.activation_checkpoint import ACMode
 from parallelisms.dtensor.init import layout_invariant_init
 from parallelisms.fsdp import MixedPrecisionPolicy, precompute_all_gather_scales
-from parallelisms.parallel_dims import ParallelDims
 
 from .checkpointing import TRAINER_ROLES
-from .config import Comm, JobConfig, Parallelism, load_config, save_config, to_toml
+from .config import Comm, JobConfig, load_config, save_config, to_toml
 from .data import TokenBatches, build_data_loader
 from .dump_folder import lock_dump_folder
 from .failure import report_failure, under_torchelastic
@@ -57,7 +56,7 @@ from .pipeline import (
 )
 from .pipeline_schedule import schedule_spec
 from .preemption import PreemptionWatch
-from .preflight import FLOAT8_CONVERTERS, check_config
+from .preflight import FLOAT8_CONVERTERS, build_parallel_dims, check_config
 from .profiling import Profiler
 from .runtime import Runtime, build_runtime
 from .step import (
@@ -122,17 +121,6 @@ def init_distributed(device: torch.device, comm: Comm, dump_folder: str = "./out
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return True
-
-
-def build_parallel_dims(cfg: Parallelism, world_size: int) -> ParallelDims:
-    return ParallelDims(
-        dp_replicate=cfg.data_parallel_replicate_degree,
-        dp_shard=cfg.data_parallel_shard_degree,
-        cp=cfg.context_parallel_degree,
-        tp=cfg.tensor_parallel_degree,
-        pp=cfg.pipeline_parallel_degree,
-        world_size=world_size,
-    )
 
 
 def check_unsupported(cfg: JobConfig, device: torch.device) -> None:

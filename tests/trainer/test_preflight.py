@@ -121,15 +121,17 @@ def test_a_model_whose_state_cannot_fit_host_memory_is_refused_before_launch() -
     """On CPU ranks the model's state (parameters, gradients, AdamW's moments: 16 bytes a float32 parameter,
     split over the ranks that shard it) must fit in the memory the kernel reports available; 8B on 2 ranks
     needs 60 GiB a rank, which would otherwise allocate for minutes and end in the OOM killer."""
-    from trainer.preflight import parallel_dims
+    from trainer.preflight import build_parallel_dims
     from trainer.state_floor import GIB, check_host_memory
 
     eight_b = load_config(["--model.flavor", "8B", "--model.vocab_size", "128256"])
     with pytest.raises(ValueError, match=r"model.flavor='8B' does not fit this machine: its 8,030,261,248 "
                                          r"parameters.* 59.8 GiB a rank .*119.7 GiB for the 2 ranks here"):  # fmt: skip
-        check_host_memory(eight_b, parallel_dims(eight_b, 2), 2, available=24 * GIB)
-    check_host_memory(eight_b, parallel_dims(eight_b, 16), 2, available=24 * GIB)  # 7.5 GiB a rank: fits
-    check_host_memory(load_config([]), parallel_dims(load_config([]), 2), 2, available=GIB)  # the default job
+        check_host_memory(eight_b, build_parallel_dims(eight_b.parallelism, 2), 2, available=24 * GIB)
+    on_16 = build_parallel_dims(eight_b.parallelism, 16)
+    check_host_memory(eight_b, on_16, 2, available=24 * GIB)  # 7.5 GiB a rank: fits
+    default = load_config([])
+    check_host_memory(default, build_parallel_dims(default.parallelism, 2), 2, available=GIB)
 
 
 @pytest.mark.skipif(not Path("/proc/meminfo").exists(), reason="reads Linux's MemAvailable")
