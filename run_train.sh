@@ -16,7 +16,7 @@ for arg in "$@"; do  # every section and key with its type, default and doc; not
   if [ "$arg" = "--help" ] || [ "$arg" = "-h" ]; then exec python -m trainer.preflight --help; fi
 done
 # GPUs per node, without importing torch (5-15 s): nvidia-smi's list, narrowed to CUDA_VISIBLE_DEVICES
-# when it is set (CUDA stops at the first invalid entry, e.g. -1); 2 CPU ranks (gloo) when there is none.
+# when it is set (CUDA stops at the first invalid entry, e.g. -1); 0 when there is none.
 count_gpus() {
   local n=0 visible=0 id ids
   if command -v nvidia-smi >/dev/null 2>&1; then
@@ -31,9 +31,10 @@ count_gpus() {
     done
     n=$((visible < n ? visible : n))
   fi
-  echo $((n > 0 ? n : 2))
+  echo "$n"
 }
-NGPU=${NGPU:-$(count_gpus)}
+GPUS_HERE=$(count_gpus)
+NGPU=${NGPU:-$((GPUS_HERE > 0 ? GPUS_HERE : 2))}  # 2 CPU ranks (gloo) without GPUs
 CONFIG_FILE=${CONFIG_FILE:-"./configs/debug_model.toml"}
 LOG_RANK=${LOG_RANK:-0}
 NNODES=${NNODES:-1}
@@ -57,7 +58,7 @@ if [[ " $* " == *" --estimate "* ]]; then  # the dry run (trainer.estimate): ./r
   args=(); for arg in "$@"; do [ "$arg" = "--estimate" ] || args+=("$arg"); done
   NGPU=$NGPU exec python -m trainer.estimate --job.config_file "$CONFIG_FILE" "${args[@]}" --world_size $((NGPU * NNODES))
 fi
-NGPU=$NGPU NNODES=$NNODES LOG_RANK=$LOG_RANK python -m trainer.preflight --job.config_file "$CONFIG_FILE" "$@" || exit 1  # fail fast, before torchrun
+NGPU=$NGPU NNODES=$NNODES LOG_RANK=$LOG_RANK GPUS_HERE=$GPUS_HERE python -m trainer.preflight --job.config_file "$CONFIG_FILE" "$@" || exit 1  # fail fast, before torchrun
 exec python -m trainer.launch --nproc_per_node="$NGPU" --nnodes="$NNODES" "${RDZV[@]}" --max-restarts "$MAX_RESTARTS" \
   --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
   -m trainer.train --job.config_file "$CONFIG_FILE" "$@"

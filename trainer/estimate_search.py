@@ -17,7 +17,6 @@ the smallest is never worse.
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import logging
 import multiprocessing
@@ -27,6 +26,7 @@ from dataclasses import dataclass
 
 from models.llama3 import llama3_configs
 
+from . import state_floor
 from .config import load_config
 from .devices import GIB, Device, gpus_per_node
 from .estimate import LOG_FORMAT, Estimate, estimate
@@ -153,8 +153,8 @@ def _search_family(
 
 
 def parameter_count(cfg: JobConfig) -> int:
-    """The model's parameters at the job's vocabulary, counted from the flavor's shapes."""
-    return dataclasses.replace(llama3_configs[cfg.model.flavor], vocab_size=job_vocab_size(cfg)).parameter_count
+    """The model's parameters at the job's vocabulary (its tokenizer's when model.vocab_size is unset)."""
+    return state_floor.parameter_count(cfg, job_vocab_size(cfg))
 
 
 def _init_worker() -> None:

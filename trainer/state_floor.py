@@ -9,7 +9,7 @@ and end killed by the kernel's OOM killer.
 from __future__ import annotations
 
 import dataclasses
-import shutil
+import os
 from pathlib import Path
 from typing import Protocol
 
@@ -42,13 +42,17 @@ def state_bytes_lower_bound(cfg: JobConfig, n_params: int, layout: Degrees) -> f
     return state
 
 
-def check_host_memory(cfg: JobConfig, layout: Degrees, ranks_here: int, available: int) -> None:
-    """Raise ValueError when `ranks_here` CPU ranks cannot hold their model state in `available` bytes."""
+def parameter_count(cfg: JobConfig, vocab_size: int) -> int:
+    """The config's model's parameters with a `vocab_size` vocabulary, counted from the flavor's shapes."""
     from models.llama3.args import llama3_configs  # dataclasses only, no torch
 
-    args = llama3_configs[cfg.model.flavor]
+    return dataclasses.replace(llama3_configs[cfg.model.flavor], vocab_size=vocab_size).parameter_count
+
+
+def check_host_memory(cfg: JobConfig, layout: Degrees, ranks_here: int, available: int) -> None:
+    """Raise ValueError when `ranks_here` CPU ranks cannot hold their model state in `available` bytes."""
     vocab = max(cfg.model.vocab_size, 0)  # a tokenizer's vocabulary is not read here: the floor leaves it out
-    n_params = dataclasses.replace(args, vocab_size=vocab).parameter_count
+    n_params = parameter_count(cfg, vocab)
     per_rank = state_bytes_lower_bound(cfg, n_params, layout)
     if per_rank * ranks_here <= available:
         return
@@ -75,5 +79,6 @@ def available_host_memory() -> int | None:
 
 
 def runs_on_cpu() -> bool:
-    """No NVIDIA driver here (run_train.sh's test too): the ranks will train on the CPU, in host memory."""
-    return shutil.which("nvidia-smi") is None
+    """run_train.sh found no GPU for this node's ranks (GPUS_HERE=0, its count_gpus): they will train on the CPU,
+    in host memory. Unknown (the pre-flight run by hand) reads as False: nothing is refused on a guess."""
+    return os.environ.get("GPUS_HERE") == "0"

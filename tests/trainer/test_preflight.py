@@ -136,10 +136,13 @@ def test_a_model_whose_state_cannot_fit_host_memory_is_refused_before_launch() -
 
 @pytest.mark.skipif(not Path("/proc/meminfo").exists(), reason="reads Linux's MemAvailable")
 def test_run_train_sh_refuses_a_model_no_machine_here_can_hold() -> None:
-    import shutil
-
-    if shutil.which("nvidia-smi"):
-        pytest.skip("a GPU machine: its ranks hold the model in device memory (the dry run's to check)")
-    rc, last, seconds = _run(["--model.flavor", "405B", "--model.vocab_size", "128256"])
+    """run_train.sh tells the pre-flight how many GPUs it found (CUDA_VISIBLE_DEVICES=-1 hides any): none, so
+    the ranks would hold 405B's state in host memory, which no machine running this suite has."""
+    rc, last, seconds = _run(["--model.flavor", "405B", "--model.vocab_size", "128256"], CUDA_VISIBLE_DEVICES="-1")
     assert rc == 1 and "model.flavor='405B' does not fit this machine" in last and "train a smaller" in last, last
     assert seconds < 20, seconds
+    # with a GPU (as told), host memory is not the limit: the same job passes on to the dry run's territory
+    told = {**os.environ, "NGPU": "2", "GPUS_HERE": "8"}
+    command = [sys.executable, "-m", "trainer.preflight", "--model.flavor", "405B"]
+    done = subprocess.run(command, cwd=REPO, env=told, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
