@@ -16,6 +16,7 @@ checkpointed region, and the recomputation runs while the block's parameters are
 
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import Any, Literal
 
 import torch
@@ -110,4 +111,20 @@ def _every_other_matmul_contexts() -> tuple[Any, Any]:
                 return CheckpointPolicy.PREFER_RECOMPUTE
         return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
-    return create_selective_checkpoint_contexts(policy)
+    saving, replaying = create_selective_checkpoint_contexts(policy)
+    # torch's replaying side hands each saved output out once and then refuses ("Trying to backward an extra
+    # time"), but a split backward (the zero-bubble schedules' I, then W) recomputes the block once per pass and
+    # the second needs the saved outputs again, as a plain graph with retain_graph=True would keep them. Slots
+    # that keep their first value serve every pass; they are freed with the block's graph, as before.
+    storage = getattr(saving, "storage", None)
+    assert storage is not None and getattr(replaying, "storage", None) is storage, "torch's SAC storage moved"
+    saving.storage = replaying.storage = defaultdict(_FirstValueKept)
+    return saving, replaying
+
+
+class _FirstValueKept(dict):
+    """One op's saved outputs by call index; a later write (the replay marking a slot consumed) is ignored."""
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if key not in self:
+            super().__setitem__(key, value)

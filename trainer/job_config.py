@@ -197,7 +197,7 @@ class Parallelism:
     """Pipeline parallelism: transformer layers per stage (None: split evenly)."""
     pipeline_parallel_schedule: str = "1F1B"
     """Pipeline schedule, case-insensitive: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble,
-    ZBVZeroBubble."""
+    ZBVZeroBubble, DualPipeV."""
     pipeline_parallel_schedule_csv: str = ""
     """Pipeline parallelism: a custom schedule as a CSV of actions per rank ("" none)."""
     pipeline_parallel_microbatch_size: int = 1

@@ -339,15 +339,20 @@ def _check_pipeline_split(cfg: JobConfig, spec: ScheduleSpec) -> None:
     from .pipeline_schedule import stage_fqns, stages_per_rank
 
     p, training = cfg.parallelism, cfg.training
-    pp, microbatches = p.pipeline_parallel_degree, training.local_batch_size // p.pipeline_parallel_microbatch_size
+    pp = p.pipeline_parallel_degree
     per_rank = stages_per_rank(cfg, spec)
     stage_fqns(cfg, pp * per_rank, llama3_configs[cfg.model.flavor].n_layers)
-    try:
-        spec.generate(pp, per_rank, microbatches)
-    except ValueError as e:
-        raise ValueError(f"parallelism.pipeline_parallel_schedule={p.pipeline_parallel_schedule!r} with "
-                         f"{microbatches} microbatches (training.local_batch_size / "
-                         f"parallelism.pipeline_parallel_microbatch_size): {e}") from None  # fmt: skip
+    batches = {"training": training.local_batch_size}
+    if cfg.validation.enable:  # validation runs the schedule's forwards over its own microbatch count
+        batches["validation"] = cfg.validation.local_batch_size or training.local_batch_size
+    for section, batch in batches.items():
+        microbatches = batch // p.pipeline_parallel_microbatch_size
+        try:
+            spec.generate(pp, per_rank, microbatches)
+        except ValueError as e:
+            raise ValueError(f"parallelism.pipeline_parallel_schedule={p.pipeline_parallel_schedule!r} with "
+                             f"{microbatches} microbatches ({section}.local_batch_size / "
+                             f"parallelism.pipeline_parallel_microbatch_size): {e}") from None  # fmt: skip
 
 
 def _check_validation(cfg: JobConfig) -> None:

@@ -12,6 +12,7 @@ from .schedule_csv import csv_schedule_spec, read_schedule_csv, schedule_from_cs
 from .schedules import (
     SCHEDULES,
     ScheduleSpec,
+    dual_pipe_v,
     get_schedule,
     gpipe,
     interleaved_1f1b,
@@ -40,6 +41,7 @@ __all__ = [
     "add_send_recv",
     "add_unshard_reshard",
     "defer_recvs",
+    "dual_pipe_v",
     "format_schedule",
     "format_timeline",
     "get_schedule",

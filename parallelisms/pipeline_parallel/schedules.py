@@ -7,7 +7,8 @@ the FSDP steps. ``SCHEDULES`` maps torchtitan's names to these functions; :func:
 case-insensitively.
 
 Papers: GPipe (Huang et al. 2019), 1F1B (PipeDream-Flush, Narayanan et al. 2021), interleaved 1F1B (Megatron-LM,
-arXiv:2104.04473), looped BFS (arXiv:2211.05953), zero bubble ZB1P and ZB-V (arXiv:2401.10241).
+arXiv:2104.04473), looped BFS (arXiv:2211.05953), zero bubble ZB1P and ZB-V (arXiv:2401.10241), DualPipeV (the V form
+of DeepSeek-V3's DualPipe, arXiv:2412.19437).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from .placement import StagePlacement
 __all__ = [
     "SCHEDULES",
     "ScheduleSpec",
+    "dual_pipe_v",
     "get_schedule",
     "gpipe",
     "interleaved_1f1b",
@@ -131,6 +133,31 @@ def zbv_zero_bubble(pp: int, stages_per_rank: int, num_microbatches: int) -> Sch
     return {rank: _zbv_rank(pp, num_microbatches, rank) for rank in range(pp)}
 
 
+def dual_pipe_v(pp: int, stages_per_rank: int, num_microbatches: int) -> Schedule:
+    """DualPipeV: the V placement of ZB-V, a steady state that pairs one chunk's forward with the other chunk's
+    full backward, and zero-bubble I / W split only where it fills the warm-up and cool-down (torch's
+    ``ScheduleDualPipeV``, after DeepSeek's DualPipe).
+
+    torch writes each pair as one ``OVERLAP_F_B`` action and, unless a callback overlaps them (to hide an MoE
+    all-to-all behind the other microbatch's compute), runs its forward and then its backward. This order writes
+    the pair as those two actions, so the lowering, the simulator and the runtime need no composite kind. Needs
+    at least ``2 pp`` microbatches (one per stage), as torch's does.
+    """
+    _check_args("DualPipeV", pp, stages_per_rank, num_microbatches)
+    if stages_per_rank != 2:
+        raise ValueError(
+            f"DualPipeV places exactly 2 stages per rank (a V: rank r owns r and 2*pp-1-r), got "
+            f"stages_per_rank={stages_per_rank} ({pp * stages_per_rank} stages on pp={pp}); use {2 * pp} stages"
+        )
+    if num_microbatches < 2 * pp:
+        raise ValueError(
+            f"DualPipeV needs at least one microbatch per stage: {num_microbatches} microbatches for {2 * pp} "
+            f"stages (pp={pp} x 2); raise training.local_batch_size or lower pipeline_parallel_microbatch_size so "
+            f"that local_batch_size / microbatch_size >= {2 * pp}, or use ZBVZeroBubble"
+        )
+    return {rank: _dual_pipe_v_rank(pp, num_microbatches, rank) for rank in range(pp)}
+
+
 @dataclass(frozen=True)
 class ScheduleSpec:
     """A named schedule: its generator and what it needs from the stage split."""
@@ -166,6 +193,7 @@ SCHEDULES: Mapping[str, ScheduleSpec] = MappingProxyType(
                 split_backward=True,
             ),
             ScheduleSpec("ZBVZeroBubble", zbv_zero_bubble, StagePlacement.V, single_stage=False, split_backward=True),
+            ScheduleSpec("DualPipeV", dual_pipe_v, StagePlacement.V, single_stage=False, split_backward=True),
         )
     }
 )
@@ -195,7 +223,7 @@ def _check_args(name: str, pp: int, stages_per_rank: int, num_microbatches: int,
         raise ValueError(
             f"{name} runs one stage per rank, got stages_per_rank={stages_per_rank} "
             f"({pp * stages_per_rank} stages on pp={pp}); split the model into {pp} stages, or use a multi-stage "
-            "schedule (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble)"
+            "schedule (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV)"
         )
 
 
@@ -341,3 +369,68 @@ def _zbv_rank(pp: int, num_microbatches: int, rank: int) -> list[Action | None]:
     return [
         a if a is not None and a.microbatch is not None and a.microbatch < num_microbatches else None for a in actions
     ]
+
+
+def _dual_pipe_v_rank(pp: int, num_microbatches: int, rank: int) -> list[Action | None]:
+    """One rank of DualPipeV, a port of torch's ``ScheduleDualPipeV._calculate_single_rank_operations``.
+
+    A B counts as both halves of its microbatch (the I and the W counters advance together); an I queues its W,
+    which a later step takes oldest first.
+    """
+    chunk0, chunk1 = rank, 2 * pp - 1 - rank
+    counts: dict[tuple[int, ActionKind], int] = defaultdict(int)
+    weights_due: list[Action] = []
+    actions: list[Action | None] = []
+
+    def add(stage: int, kind: ActionKind) -> None:
+        mb = counts[stage, I] if kind is B else counts[stage, kind]
+        actions.append(Action(stage, kind, mb))
+        if kind is B:
+            counts[stage, I] += 1
+            counts[stage, W] += 1
+            return
+        counts[stage, kind] += 1
+        if kind is I:
+            weights_due.append(Action(stage, W, mb))
+
+    def add_weight() -> None:
+        if weights_due:
+            action = weights_due.pop(0)
+            actions.append(action)
+            counts[action.stage, W] += 1
+
+    def add_pair(forward_stage: int, backward_stage: int) -> None:  # torch's OVERLAP_F_B, run in sequence
+        add(forward_stage, F)
+        add(backward_stage, B)
+
+    for _ in range(2 * (pp - rank - 1)):  # 1: chunk 0 forwards
+        add(chunk0, F)
+    for _ in range(rank + 1):  # 2: both chunks forward
+        add(chunk0, F)
+        add(chunk1, F)
+    for _ in range(pp - rank - 1):  # 3: chunk 1 zero bubble (I, a pending W, F)
+        add(chunk1, I)
+        add_weight()
+        add(chunk1, F)
+    for step in range(num_microbatches - 2 * pp + rank + 1):  # 4: the steady pairs
+        if step == 0 and rank == pp - 1:  # the turn of the V: not paired, a smaller bubble
+            add(chunk0, F)
+            add(chunk1, B)
+        else:
+            add_pair(chunk0, chunk1)
+        add_pair(chunk1, chunk0)
+    for _ in range(pp - rank - 1):  # 5: chunk 1 backward, chunk 1 forward with chunk 0 backward
+        add(chunk1, B)
+        add_pair(chunk1, chunk0)
+    split = False  # 6: both chunks' backwards; the second half splits into I and a later W
+    for step in range(rank + 1):
+        split = split or (step == (rank + 1) // 2 and rank % 2 == 1)
+        add(chunk1, I if split else B)
+        split = split or (step == (rank + 1) // 2 and rank % 2 == 0)
+        add(chunk0, I if split else B)
+    for _ in range(pp - rank - 1):  # 7: a W, then chunk 0's next backward
+        add_weight()
+        add(chunk0, I if split else B)
+    for _ in range(rank + 1):  # 8: the weight gradients left
+        add_weight()
+    return actions

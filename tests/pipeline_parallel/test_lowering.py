@@ -13,6 +13,7 @@ from parallelisms.pipeline_parallel import (
     P2PMode,
     add_reduce_grad,
     defer_recvs,
+    dual_pipe_v,
     get_schedule,
     gpipe,
     lower_schedule,
@@ -41,6 +42,28 @@ def test_lowering_equals_torch_pipeline_order_with_comms(
     placement = stage_to_rank(pp, stages_per_rank, spec.placement)
     lowered = lower_schedule(compute, placement, num_microbatches, unshard_reshard=True, reduce_grad=True)
     assert lowered == torch_lowered_order(name, pp, stages_per_rank, num_microbatches)
+
+
+@pytest.mark.parametrize(("pp", "num_microbatches"), [(2, 4), (2, 7), (3, 6), (4, 8), (4, 11)])
+def test_dual_pipe_v_lowering_is_torchs_with_each_pair_sending_between_its_halves(
+    pp: int, num_microbatches: int
+) -> None:
+    # torch lowers an OVERLAP_F_B as one action: both halves' receives before it, both sends after. Ours lowers
+    # the pair as the forward and the backward it runs: the forward's send goes out before the backward. The
+    # same actions per rank, the same compute order, and never a later finish.
+    placement = stage_to_rank(pp, 2, "v")
+    ours = lower_schedule(
+        dual_pipe_v(pp, 2, num_microbatches), placement, num_microbatches, unshard_reshard=True, reduce_grad=True
+    )
+    theirs = torch_lowered_order("DualPipeV", pp, 2, num_microbatches)
+    for rank in ours:
+        assert Counter(ours[rank]) == Counter(theirs[rank]), rank
+        computes = [[a for a in order[rank] if a is not None and a.kind.is_compute] for order in (ours, theirs)]
+        assert computes[0] == computes[1], rank
+    assert ours != theirs
+    for mode in P2PMode:
+        simulate(ours, p2p=mode)  # no deadlock, however the transfers are issued
+    assert simulate(ours).makespan <= simulate(theirs).makespan
 
 
 def test_every_send_has_its_recv_on_the_peer_rank() -> None:

@@ -131,6 +131,8 @@ def _run(schedule_name: str, stages_per_rank: int, num_microbatches: int) -> dic
         ("InterleavedZeroBubble", 2, 4, 8),
         ("ZBVZeroBubble", 2, 2, 4),  # V placement: rank r holds stages r and 2 pp - 1 - r
         ("ZBVZeroBubble", 2, 4, 8),
+        ("DualPipeV", 2, 2, 4),  # V placement, F next to B, full and split backwards mixed
+        ("DualPipeV", 2, 4, 9),
     ],
 )
 def test_schedules_give_the_gradients_of_one_process(
@@ -226,7 +228,7 @@ def _data_parallel_stage_step(
 
 
 _P2P = {"send", "recv_"}  # the pipeline's own transfers
-_SCHEDULES = [("1F1B", 1), ("Interleaved1F1B", 2), ("InterleavedZeroBubble", 2), ("ZBVZeroBubble", 2)]
+_SCHEDULES = [("1F1B", 1), ("Interleaved1F1B", 2), ("InterleavedZeroBubble", 2), ("ZBVZeroBubble", 2), ("DualPipeV", 2)]
 
 
 @pytest.mark.parametrize("fsdp_actions", [False, True], ids=["hooks", "fsdp_actions"])

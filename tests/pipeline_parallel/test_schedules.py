@@ -10,6 +10,7 @@ from parallelisms.pipeline_parallel import (
     ActionKind,
     StagePlacement,
     add_reduce_grad,
+    dual_pipe_v,
     get_schedule,
     interleaved_1f1b,
     rank_to_stages,
@@ -21,7 +22,7 @@ from tests.pipeline_parallel.torch_oracle import torch_pipeline_order, torch_run
 # Even and uneven counts: below pp, not a multiple of pp, and ones torch refuses for interleaving (5, 9, 14).
 MICROBATCHES = [1, 2, 3, 4, 5, 6, 8, 9, 10, 12, 14, 16]
 STAGES_PER_RANK = {"Interleaved1F1B": (1, 2, 3), "LoopedBFS": (1, 2, 3), "InterleavedZeroBubble": (1, 2, 3)}
-STAGES_PER_RANK["ZBVZeroBubble"] = (2,)
+STAGES_PER_RANK["ZBVZeroBubble"] = STAGES_PER_RANK["DualPipeV"] = (2,)
 
 
 def _torch_accepts(name: str, pp: int, stages_per_rank: int, num_microbatches: int) -> bool:
@@ -45,7 +46,8 @@ def test_multi_stage_order_equals_torch_pipeline_order(name: str, pp: int) -> No
                 continue
             assert get_schedule(name).generate(pp, spr, m) == torch_pipeline_order(name, pp, spr, m), (spr, m)
             compared += 1
-    assert compared >= 9 * len(STAGES_PER_RANK[name])
+    least = 6 if name == "DualPipeV" else 9  # DualPipeV takes m >= 2 pp: 6 of the counts above on pp 4
+    assert compared >= least * len(STAGES_PER_RANK[name])
 
 
 @pytest.mark.parametrize("pp", [2, 4])
@@ -81,6 +83,7 @@ def test_registry_has_torchtitan_names_case_insensitive() -> None:
         "LoopedBFS",
         "InterleavedZeroBubble",
         "ZBVZeroBubble",
+        "DualPipeV",
     ]
     assert get_schedule("interleaved1f1b").name == "Interleaved1F1B"
     assert get_schedule("ZBVZEROBUBBLE").placement is StagePlacement.V
@@ -104,6 +107,8 @@ def test_single_stage_schedule_refuses_several_stages_per_rank() -> None:
         get_schedule("1F1B").generate(4, 2, 8)
     with pytest.raises(ValueError, match="exactly 2 stages per rank"):
         zbv_zero_bubble(4, 3, 8)
+    with pytest.raises(ValueError, match="exactly 2 stages per rank"):
+        dual_pipe_v(2, 1, 8)
     with pytest.raises(ValueError, match="microbatches must be >= 1"):
         get_schedule("GPipe").generate(2, 1, 0)
 
@@ -117,3 +122,21 @@ def test_placement_equals_torch(pp: int, stages_per_rank: int) -> None:
     assert rank_to_stages(pp, stages_per_rank)[0] == list(range(0, num_stages, pp))
     if stages_per_rank == 2:  # the V: rank r owns r and 2 pp - 1 - r
         assert rank_to_stages(pp, 2, StagePlacement.V) == {r: [r, 2 * pp - 1 - r] for r in range(pp)}
+
+
+def test_dual_pipe_v_wants_a_microbatch_per_stage_and_pairs_forwards_with_backwards() -> None:
+    with pytest.raises(ValueError, match=r"3 microbatches for 4 stages .* >= 4, or use ZBVZeroBubble"):
+        dual_pipe_v(2, 2, 3)
+    order = dual_pipe_v(4, 2, 8)
+    # the steady state runs one chunk's forward next to the other chunk's full backward (torch's OVERLAP_F_B)
+    rank0 = [str(a) for a in order[0]]
+    assert rank0[rank0.index("0F7") + 1] == "7B3" and rank0[rank0.index("7F4") + 1] == "0B0", rank0
+    kinds = {a.kind for actions in order.values() for a in actions if a is not None}
+    assert kinds == {ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W}  # full and split backwards mixed
+    for rank, actions in order.items():  # every microbatch of both stages: one F, and one B or one I + one W
+        for stage in (rank, 2 * 4 - 1 - rank):
+            done = [a for a in actions if a is not None and a.stage == stage]
+            forwards = sorted(a.microbatch for a in done if a.kind is ActionKind.F)
+            backwards = sorted(a.microbatch for a in done if a.kind in (ActionKind.B, ActionKind.I))
+            weights = sorted(a.microbatch for a in done if a.kind in (ActionKind.B, ActionKind.W))
+            assert forwards == backwards == weights == list(range(8)), (rank, stage)

@@ -62,9 +62,10 @@ def test_every_schedule_simulates_without_deadlock(name: str, pp: int) -> None:
             mode = modes[(pp + spr + i) % len(modes)]
             assert simulate(lowered, p2p=mode).busy == busy, (spr, m, mode)
             ran += 1
-    # Nothing else is refused: only the interleaved schedules' uneven rounds.
+    # Nothing else is refused: only the interleaved schedules' uneven rounds, and DualPipeV's fewer than 2 pp.
     rounds = name in ("Interleaved1F1B", "InterleavedZeroBubble")
-    assert all(rounds and _refuses_rounds(pp, m) for _, m in refused), refused
+    fewer = name == "DualPipeV"
+    assert all(rounds and _refuses_rounds(pp, m) or fewer and m < 2 * pp for _, m in refused), refused
     assert ran == len(_stages_per_rank(name)) * len(MICROBATCHES) - len(refused) > 0
 
 

@@ -29,14 +29,21 @@ TORCH_CLASSES: dict[str, Any] = {
     "LoopedBFS": torch_schedules.ScheduleLoopedBFS,
     "InterleavedZeroBubble": torch_schedules.ScheduleInterleavedZeroBubble,
     "ZBVZeroBubble": torch_schedules.ScheduleZBVZeroBubble,
+    "DualPipeV": torch_schedules.ScheduleDualPipeV,
 }
 
 
 def from_torch(actions: list[Any]) -> list[Action | None]:
-    return [
-        None if a is None else Action(a.stage_index, ActionKind(a.computation_type.value), a.microbatch_index)
-        for a in actions
-    ]
+    """torch's actions as ours; an ``OVERLAP_F_B`` (DualPipeV) becomes its forward and then its backward, the
+    order torch's runtime runs them in without an overlap callback."""
+    ours: list[Action | None] = []
+    for a in actions:
+        if a is not None and a.computation_type.value == "OVERLAP_F_B":
+            ours += from_torch(list(a.sub_actions))
+        else:
+            kind = None if a is None else ActionKind(a.computation_type.value)
+            ours.append(None if a is None else Action(a.stage_index, kind, a.microbatch_index))
+    return ours
 
 
 def _stub_stages(pp: int, stages_per_rank: int) -> list[types.SimpleNamespace]:

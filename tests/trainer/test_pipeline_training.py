@@ -24,6 +24,7 @@ JOB = [
 ]  # fmt: skip
 PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
 MB2 = ["--parallelism.pipeline_parallel_microbatch_size", "2"]
+SCHEDULE = "--parallelism.pipeline_parallel_schedule"
 
 
 LAST_SAVE = ["--checkpoint.enable", "--checkpoint.interval", "4"]  # the weights after the last step, model only
@@ -65,9 +66,11 @@ def _last_weights(dump: Path) -> dict[str, torch.Tensor]:
              "--training.local_batch_size", "2"]),  # PP(2) x FSDP(2) x TP(2)
         (4, [*PP2, "--parallelism.data_parallel_replicate_degree", "2",
              "--training.local_batch_size", "2"]),  # PP(2) x DDP(2)
+        (2, [*PP2, "--parallelism.pipeline_parallel_schedule", "DualPipeV", "--activation_checkpoint.mode",
+             "selective", "--activation_checkpoint.selective_ac_option", "op"]),  # V, F next to B; W recomputes
     ],
     ids=["pp2_1f1b", "pp2_interleaved", "pp2_gpipe_mb2", "pp2_fsdp2", "pp2_tp2", "pp2_zbv_fsdp2", "pp2_fsdp2_tp2",
-         "pp2_ddp2"],
+         "pp2_ddp2", "pp2_dualpipev"],
 )  # fmt: skip
 def test_pipelined_training_follows_one_process(
     tmp_path: Path, one_process_run: tuple[list[float], Path], world: int, layout: list[str]
@@ -145,6 +148,10 @@ def test_a_csv_schedule_trains_like_the_named_one(tmp_path: Path, one_process: l
             "fsdp_reshard_after_forward='always' with .*ZBVZeroBubble",
         ),  # fmt: skip
         (["--parallelism.pipeline_parallel_microbatch_size", "3"], "must be a multiple of"),
+        ([SCHEDULE, "DualPipeV", "--training.local_batch_size", "2"],
+         r"'DualPipeV' with 2 microbatches \(training.local_batch_size.*2 microbatches for 4 stages"),
+        ([SCHEDULE, "DualPipeV", "--validation.enable", "--validation.local_batch_size", "2"],
+         r"'DualPipeV' with 2 microbatches \(validation.local_batch_size.*2 microbatches for 4 stages"),
     ],
 )
 def test_what_pipelines_cannot_do_yet_is_refused_in_the_preflight(overrides: list[str], message: str) -> None:
@@ -156,7 +163,6 @@ def test_what_pipelines_cannot_do_yet_is_refused_in_the_preflight(overrides: lis
 
 
 LAYERS_PER_STAGE = "--parallelism.pipeline_parallel_layers_per_stage"
-SCHEDULE = "--parallelism.pipeline_parallel_schedule"
 PARTS = "--parallelism.module_fqns_per_model_part"
 SIX_LAYERS = ["tok_embeddings", *(f"layers.{i}" for i in range(6)), "norm", "output"]  # the debug model's modules
 
