@@ -17,6 +17,8 @@ checkpointed region, and the recomputation runs while the block's parameters are
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Literal
 
 import torch
@@ -112,19 +114,36 @@ def _every_other_matmul_contexts() -> tuple[Any, Any]:
         return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
     saving, replaying = create_selective_checkpoint_contexts(policy)
-    # torch's replaying side hands each saved output out once and then refuses ("Trying to backward an extra
-    # time"), but a split backward (the zero-bubble schedules' I, then W) recomputes the block once per pass and
-    # the second needs the saved outputs again, as a plain graph with retain_graph=True would keep them. Slots
-    # that keep their first value serve every pass; they are freed with the block's graph, as before.
     storage = getattr(saving, "storage", None)
     assert storage is not None and getattr(replaying, "storage", None) is storage, "torch's SAC storage moved"
-    saving.storage = replaying.storage = defaultdict(_FirstValueKept)
+    saving.storage = replaying.storage = defaultdict(_SavedOutputs)
     return saving, replaying
 
 
-class _FirstValueKept(dict):
-    """One op's saved outputs by call index; a later write (the replay marking a slot consumed) is ignored."""
+_KEEPING = 0  # > 0 inside saved_outputs_kept()
+
+
+@contextmanager
+def saved_outputs_kept() -> Iterator[None]:
+    """A backward inside leaves each selectively checkpointed block's saved outputs for a later backward
+    through the same graph: a split backward's I and each of W's per-branch passes. torch's replay hands each
+    saved output out once and then refuses ("Trying to backward an extra time"), but every such pass
+    recomputes the block again and needs them, as a plain graph kept by retain_graph=True keeps its saved
+    tensors; they go with the graph. Outside, the replay releases them as torch's does, so a whole backward's
+    peak is unchanged. A module global, not a context variable: on GPU the autograd engine replays on its
+    device threads, which do not see the caller's context."""
+    global _KEEPING
+    _KEEPING += 1
+    try:
+        yield
+    finally:
+        _KEEPING -= 1
+
+
+class _SavedOutputs(dict):
+    """One op's saved outputs by call index; the replay's release of a slot is ignored while they are kept."""
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        if key not in self:
-            super().__setitem__(key, value)
+        if _KEEPING and key in self:
+            return
+        super().__setitem__(key, value)

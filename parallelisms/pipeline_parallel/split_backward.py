@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
+from parallelisms.activation_checkpoint import saved_outputs_kept
+
 Node = Any  # torch.autograd.graph.Node (a C++ object without a Python class to annotate)
 
 
@@ -43,7 +45,8 @@ def backward_input(
     if pending is not None:
         for i, (node, _) in enumerate(pending.branches):
             node.register_prehook(_keep(pending.received, i))
-    (input_grad,) = torch.autograd.grad(output, [input], grad, retain_graph=True)
+    with saved_outputs_kept():  # W recomputes checkpointed blocks again
+        (input_grad,) = torch.autograd.grad(output, [input], grad, retain_graph=True)
     return input_grad, pending
 
 
@@ -55,7 +58,8 @@ def backward_weight(pending: WeightGradients) -> None:
         if not edges:
             continue
         grads = [g for g in received if g is not None]
-        found = torch.autograd.grad(edges, [get_gradient_edge(p) for p in params], grads, allow_unused=True)
+        with saved_outputs_kept():  # each branch's grad call recomputes checkpointed blocks anew
+            found = torch.autograd.grad(edges, [get_gradient_edge(p) for p in params], grads, allow_unused=True)
         _accumulate(params, found)
     pending.received.clear()
 

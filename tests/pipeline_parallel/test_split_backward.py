@@ -88,3 +88,12 @@ def test_split_backward_through_checkpointed_blocks_recomputes_them_for_w(ac: st
     # ("Trying to backward an extra time") because torch's replay hands each saved output out only once.
     in_i, in_w = _check(shared=False, ac=ac)
     assert (in_i, in_w) == (2, 0)
+
+
+def test_outside_a_split_backward_selective_checkpointing_releases_its_saved_outputs_as_torch() -> None:
+    # Only I keeps them (for W): a whole backward releases each as it replays it, so a second one is refused.
+    block = checkpoint_module(Block(), selective=True)
+    out = block(torch.randn(4, 8, requires_grad=True)).sum()
+    out.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward an extra time"):
+        out.backward()
