@@ -297,7 +297,9 @@ class Float8Linear:
     """With enable_fsdp_float8_all_gather: every float8 weight's scale computed after the optimizer step in one
     all-reduce, instead of one per FSDP group at its forward all-gather."""
     recipe_name: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] | None = None
-    """float8 scaling recipe: None or "tensorwise" (the rowwise recipes are not built)."""
+    """float8 scaling recipe: None or "tensorwise" (one scale per tensor), "rowwise" (one per row of each
+    matmul's left operand and column of its right one, e4m3 throughout, power-of-two scales) or
+    "rowwise_with_gw_hp" (rowwise, the weight gradient in high precision); torchao's recipes."""
     filter_fqns: list[str] = field(default_factory=list)
     """Linear modules left in high precision: any whose FQN contains one of these (e.g. ["output"])."""
     emulate: bool = False

@@ -236,8 +236,8 @@ FLOAT8_CONVERTERS = ("float8", "quantize.linear.float8")  # torchtitan v0.2's na
 
 
 def _check_converters(cfg: JobConfig) -> None:
-    """model.converters: float8 with tensorwise scaling (models.float8) converts; MX and the rowwise float8
-    recipes are not built."""
+    """model.converters: float8 (models.float8: tensorwise or torchao's rowwise recipes) converts; MX is
+    not built, and the float8 all-gather takes tensorwise scales only (torchao's rule)."""
     for name in cfg.model.converters:
         if name in ("mx", "quantize.linear.mx"):
             raise ValueError(
@@ -246,11 +246,13 @@ def _check_converters(cfg: JobConfig) -> None:
             )
         if name not in FLOAT8_CONVERTERS:
             raise ValueError(f"model.converters={cfg.model.converters}: unknown converter {name!r}; expected 'float8'")
-    recipe = cfg.quantize.linear.float8.recipe_name
-    if cfg.model.converters and recipe not in (None, "tensorwise"):
+    f8 = cfg.quantize.linear.float8
+    if cfg.model.converters and f8.recipe_name not in (None, "tensorwise") and f8.enable_fsdp_float8_all_gather:
         raise ValueError(
-            f"quantize.linear.float8.recipe_name={recipe!r}: only tensorwise scaling is implemented (one scale "
-            f"per tensor, torchao's default); leave recipe_name unset or set it to 'tensorwise'"
+            f"quantize.linear.float8.recipe_name={f8.recipe_name!r} with "
+            f"quantize.linear.float8.enable_fsdp_float8_all_gather: FSDP gathers float8 weights with one scale per "
+            f"tensor, which a rowwise recipe does not use (torchao's rule); set enable_fsdp_float8_all_gather "
+            f"to false, or recipe_name to 'tensorwise'"
         )
 
 

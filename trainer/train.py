@@ -151,9 +151,11 @@ def build_model(cfg: JobConfig, vocab_size: int, *, n_layers: int | None = None)
     if any(name in FLOAT8_CONVERTERS for name in cfg.model.converters):  # before parallelizing, as torchtitan
         f8 = cfg.quantize.linear.float8
         converted = convert_to_float8_training(model, filter_fqns=f8.filter_fqns, emulate=f8.emulate,
-                                               fsdp_float8_all_gather=f8.enable_fsdp_float8_all_gather)  # fmt: skip
-        logger.info("float8 (tensorwise): %d linears converted; left in high precision: %s", len(converted),
-                    [n for n, m in model.named_modules() if type(m) is nn.Linear] or "none")  # fmt: skip
+                                               fsdp_float8_all_gather=f8.enable_fsdp_float8_all_gather,
+                                               recipe_name=f8.recipe_name)  # fmt: skip
+        kept = [n for n, m in model.named_modules() if type(m) is nn.Linear] or "none"
+        logger.info("float8 (%s): %d linears converted; left in high precision: %s", f8.recipe_name or "tensorwise",
+                    len(converted), kept)  # fmt: skip
         if cfg.model.print_after_conversion:
             logger.info("model after conversion:\n%s", model)
     return model

@@ -10,6 +10,7 @@ from torch import nn
 from models.float8 import (
     E4M3,
     E5M2,
+    RECIPES,
     Float8Linear,
     cast_to_float8,
     convert_to_float8_training,
@@ -194,7 +195,7 @@ class _MLP(nn.Module):
         return self.fc2(torch.relu(self.fc1(x)))
 
 
-def _tp_float8_mlp() -> tuple[float, float, float, int]:
+def _tp_float8_mlp(recipe: str | None = None) -> tuple[float, float, float, int]:
     import torch.distributed as dist
 
     from parallelisms.dtensor import init_device_mesh
@@ -204,8 +205,8 @@ def _tp_float8_mlp() -> tuple[float, float, float, int]:
     torch.manual_seed(0)
     model, reference = _MLP(), _MLP()
     reference.load_state_dict(model.state_dict())
-    convert_to_float8_training(model)
-    convert_to_float8_training(reference)
+    convert_to_float8_training(model, recipe_name=recipe)
+    convert_to_float8_training(reference, recipe_name=recipe)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     parallelize_module(model, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
     x = torch.randn(4, 8, 32)
@@ -280,3 +281,96 @@ def test_selective_ac_keeps_the_amaxes_so_the_recomputation_reads_no_tensor_for_
             loss.backward()
         counts[mode] = count.amaxes
     assert counts == {"none": 2, "selective": 2}  # one gradient amax per linear; no recomputed x or w amax
+
+
+# --------------------------------------------------------------------------------------------------
+# the rowwise recipes (torchao's "rowwise" and "rowwise_with_gw_hp")
+# --------------------------------------------------------------------------------------------------
+
+
+def _rowwise_cast(t: torch.Tensor, dim: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """torchao's axiswise (or, dim None, tensorwise) cast: the amax along `dim`, the scale in float64 rounded
+    down to a power of two, e4m3; returns (float8 data, inverse scale), computed here from the definition."""
+    amax = t.abs().amax() if dim is None else t.abs().amax(dim=dim, keepdim=True)
+    scale = (448.0 / amax.double().clamp(min=1e-12)).float()
+    scale = torch.exp2(torch.floor(torch.log2(scale)))
+    return (t.float() * scale).to(E4M3), scale.reciprocal()
+
+
+def _kernel(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor], fast: bool) -> torch.Tensor:
+    """torchao's rowwise `_scaled_mm` call on the CPU: the float32 product of the dequantized operands written in
+    bfloat16; without fast accumulation, the unscaled product in bfloat16, times the scales, in bfloat16."""
+    if fast:
+        return (_dequantize(*a) @ _dequantize(*b)).bfloat16().float()
+    raw = (a[0].float() @ b[0].float()).bfloat16()
+    return (raw * (a[1] * b[1])).bfloat16().float()
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_the_rowwise_recipes_cast_and_multiply_as_torchao_defines_them(recipe: str) -> None:
+    """Forward x @ w.T with x per row and w.T per column; backward g @ w (w per column, or tensorwise
+    repeated along the columns under rowwise_with_gw_hp) and g.T @ x (per row / column, or in float32 under
+    rowwise_with_gw_hp): every operand e4m3 with power-of-two scales, recomputed in backward along its new
+    dim. Built here from the definition, equal bit for bit."""
+    torch.manual_seed(0)
+    linear = nn.Linear(48, 32, bias=False)
+    convert_to_float8_training(linear, recipe_name=recipe)
+    x = torch.randn(2, 8, 48, requires_grad=True)
+    y = linear(x)
+    g = torch.randn_like(y)
+    y.backward(g)
+
+    x2, w, g2 = x.detach().reshape(-1, 48), linear.weight.detach(), g.reshape(-1, 32)
+    assert torch.equal(y.detach().reshape(-1, 32), _kernel(_rowwise_cast(x2, 1), _rowwise_cast(w.t(), 0), True))
+    if recipe == "rowwise":
+        grad_x = _kernel(_rowwise_cast(g2, 1), _rowwise_cast(w, 0), False)
+        grad_w = _kernel(_rowwise_cast(g2.t(), 1), _rowwise_cast(x2, 0), False)
+    else:
+        w8, w_inv = _rowwise_cast(w, None)
+        grad_x = _kernel(_rowwise_cast(g2, 1), (w8, w_inv.reshape(1, 1).expand(1, 48)), False)
+        grad_w = g2.t() @ x2
+    assert torch.equal(x.grad.reshape(-1, 48), grad_x)
+    assert torch.equal(linear.weight.grad, grad_w)
+
+
+def test_a_rowwise_scale_keeps_an_outlier_to_its_own_row() -> None:
+    """One huge row: tensorwise flushes the other rows' small values to zero, rowwise keeps them."""
+    torch.manual_seed(0)
+    x = torch.randn(16, 64)
+    x[3] *= 1e6
+    w = torch.randn(32, 64)
+    exact = (x @ w.t())[[i for i in range(16) if i != 3]]
+    results = {}
+    for recipe in (None, "rowwise"):
+        linear = nn.Linear(64, 32, bias=False)
+        linear.weight.data.copy_(w)
+        convert_to_float8_training(linear, recipe_name=recipe)
+        y = linear(x).detach()[[i for i in range(16) if i != 3]]
+        results[recipe] = float((y - exact).norm() / exact.norm())
+    assert results["rowwise"] < 0.05 and results[None] > 0.5, results
+
+
+def test_the_converter_names_recipes_it_cannot_run() -> None:
+    with pytest.raises(ValueError, match=r"float8 recipe 'blockwise': expected 'tensorwise' or one of \['rowwise'"):
+        convert_to_float8_training(nn.Linear(16, 16), recipe_name="blockwise")
+    with pytest.raises(ValueError, match="'rowwise' with the float8 all-gather: .* one scale per tensor"):
+        convert_to_float8_training(nn.Linear(16, 16), recipe_name="rowwise", fsdp_float8_all_gather=True)
+    assert "float8=rowwise_with_gw_hp" in repr(
+        convert_to_float8_training(linear := nn.Linear(16, 16), recipe_name="rowwise_with_gw_hp") and linear
+    )
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_tensor_parallel_rowwise_float8_follows_one_device(recipe: str) -> None:
+    """Colwise / Rowwise rowwise-float8 linears on 2 ranks: every row's or column's scale is the one device's
+    (an amax over a sharded contraction dim is all-reduced: a vector), so both weight gradients equal one
+    device's bit for bit; the output differs by the row-parallel sum's order, each partial rounded to the
+    kernel's bfloat16."""
+    from tests.world import run_world
+
+    for y_gap, grad1_gap, grad2_gap, collectives in run_world(_tp_float8_mlp, 2, recipe):
+        assert y_gap < 0.01 and grad1_gap == 0.0 and grad2_gap == 0.0, (y_gap, grad1_gap, grad2_gap)
+        # forward: fc2's input-row and weight-column amaxes (both over the sharded hidden dim) and its partial
+        # sum; the backward's casts reduce over whole dims, except rowwise_with_gw_hp's whole-tensor amax of
+        # fc2's sharded weight for the input gradient
+        assert collectives == {"rowwise": 3, "rowwise_with_gw_hp": 4}[recipe]

@@ -120,6 +120,9 @@ LAYOUTS = {  # name -> (world size, overrides)
     # float8 linears: the amax all-reduces under TP, the float8 matmuls' FLOPs and casts counted apart
     "fsdp2_tp2_float8": (4, ["--parallelism.tensor_parallel_degree", "2", "--model.converters", "float8",
                              "--quantize.linear.float8.filter_fqns", "output"]),
+    # rowwise float8: a row's or column's amax over TP's sharded dim is an all-reduce of a vector
+    "tp2_float8_rowwise": (2, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.tensor_parallel_degree",
+                               "2", "--model.converters", "float8", "--quantize.linear.float8.recipe_name", "rowwise"]),
     "ddp2": (2, ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]),
     "hsdp2x2": (4, ["--parallelism.data_parallel_replicate_degree", "2"]),
     "cp2_ring": (2, [*CP2, "--parallelism.context_parallel_rotate_method", "alltoall"]),

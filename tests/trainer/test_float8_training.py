@@ -96,3 +96,16 @@ def test_run_train_sh_trains_fsdp2_in_float8_like_one_process(tmp_path: Path) ->
     assert "float8 (tensorwise): 42 linears converted; left in high precision: ['output']" in out, out[-3000:]
     lines = [line.split("trainer.metrics: ", 1)[1] for line in out.splitlines() if "trainer.metrics: step " in line]
     assert _losses(lines) == pytest.approx(reference, abs=1e-3), (reference, _losses(lines))
+
+
+def test_rowwise_float8_training_follows_one_process_and_the_high_precision_run(tmp_path: Path) -> None:
+    """recipe_name="rowwise" on FSDP(2) x TP(2): each rank casts one device's bytes (a row's or a column's amax
+    over a sharded dim is all-reduced); the one process accumulates two sequences at a time, the groups FSDP
+    casts the weight gradient's columns over. The kernel writes bfloat16, so TP's partial sums round there."""
+    rowwise = [*FLOAT8, "--quantize.linear.float8.recipe_name", "rowwise", "--training.local_batch_size", "2"]
+    one = _losses(run_world(_train_rank, 1, [*JOB, *rowwise, "--job.dump_folder", str(tmp_path / "one")])[0])
+    layout = ["--parallelism.tensor_parallel_degree", "2", "--job.dump_folder", str(tmp_path / "fsdp_tp")]
+    losses = _losses(run_world(_train_rank, 4, [*JOB, *rowwise, *layout])[0])
+    assert len(losses) == 4 and losses == pytest.approx(one, abs=1e-3), (one, losses)
+    reference = _losses(run_world(_train_rank, 1, [*JOB, "--job.dump_folder", str(tmp_path / "high")])[0])
+    assert one != reference and one == pytest.approx(reference, rel=0.02), (reference, one)

@@ -94,8 +94,10 @@ def test_a_feature_meshtrain_lacks_is_refused_in_one_line_naming_the_key(key: st
     [
         (["--model.converters", "mx"], r"^model.converters=\['mx'\]: MX .* use model.converters=\['float8'\]"),
         (["--model.converters", "fp4"], r"unknown converter 'fp4'"),
-        (["--model.converters", "float8", "--quantize.linear.float8.recipe_name", "rowwise"],
-         r"^quantize.linear.float8.recipe_name='rowwise': only tensorwise .* set it to 'tensorwise'"),
+        (["--model.converters", "float8", "--quantize.linear.float8.recipe_name", "rowwise",
+          "--quantize.linear.float8.enable_fsdp_float8_all_gather"],
+         r"^quantize.linear.float8.recipe_name='rowwise' with .*enable_fsdp_float8_all_gather: .* one scale per "
+         r"tensor"),
     ],
 )  # fmt: skip
 def test_a_converter_or_recipe_not_built_is_refused_with_the_fix(overrides: list[str], message: str) -> None:

@@ -256,20 +256,24 @@ def einsum_rule(call: OpCall) -> list[Sharding]:
 
 @register(aten._scaled_mm)
 def scaled_mm_rule(call: OpCall) -> list[Sharding]:
-    """`_scaled_mm(a, b, scale_a, scale_b)`: float8 `a @ b` times two scales. Tensorwise scales (one element)
-    must be whole on every rank (Replicate); the product then takes mm's layouts, a Partial output included
-    (the scales multiply every term of the sum alike) unless the output is itself float8 (a sum of rounded
-    float8 terms is not the float8 of the sum). A DTensor bias or result scale is not supported."""
+    """`_scaled_mm(a, b, scale_a, scale_b)`: float8 `a @ b` times two scales, tensorwise (one element each,
+    Replicate on every rank) or rowwise (`scale_a` (M, 1) per row of `a`, `scale_b` (1, N) per column of `b`,
+    each sharded as its operand's rows / columns and whole where the operand splits the contraction dim). The
+    product takes mm's layouts, a Partial output included (each scale multiplies every term of its row's or
+    column's sum alike) unless the output is itself float8 (a sum of rounded float8 terms is not the float8 of
+    the sum). A DTensor bias or result scale is not supported."""
     bound = call.bound
     a, b = call.args[0], call.args[1]
     if not isinstance(a, DTensorSpec) or not isinstance(b, DTensorSpec):
         raise NotImplementedError(f"{call.op}: both float8 operands must be DTensors, got {call.args[:2]}")
-    for name in ("scale_a", "scale_b"):
+    rowwise = {}
+    for name, along in (("scale_a", (a.shape[0], 1)), ("scale_b", (1, b.shape[1]))):
         scale = bound.get(name)
-        if isinstance(scale, DTensorSpec) and math.prod(scale.shape) != 1:
+        rowwise[name] = isinstance(scale, DTensorSpec) and math.prod(scale.shape) != 1
+        if rowwise[name] and tuple(scale.shape) != along:  # type: ignore[union-attr]
             raise NotImplementedError(
-                f"{call.op}: {name} of shape {tuple(scale.shape)} (rowwise scaling) has no sharding rule; "
-                f"only tensorwise (one-element) scales run on DTensors"
+                f"{call.op}: {name} of shape {tuple(scale.shape)} is neither one element (tensorwise) nor "  # type: ignore[union-attr]
+                f"{along} (rowwise) for a {tuple(a.shape)} @ {tuple(b.shape)} product"
             )
     if isinstance(bound.get("bias"), DTensorSpec) or isinstance(bound.get("scale_result"), DTensorSpec):
         raise NotImplementedError(f"{call.op}: a DTensor bias or scale_result has no sharding rule; add the bias after")
@@ -280,12 +284,26 @@ def scaled_mm_rule(call: OpCall) -> list[Sharding]:
         candidates = [s for s in candidates if not any(isinstance(p, Partial) for p in s.outputs[0] or ())]
     replicate = (Replicate(),) * call.mesh_ndim
     keys = spec_keys(call)
+    names = {("arg", 2): "scale_a", ("arg", 3): "scale_b", ("kwarg", "scale_a"): "scale_a"}
+    names[("kwarg", "scale_b")] = "scale_b"
     shardings = []
     for s in candidates:
-        by_arg = {0: s.inputs[0], 1: s.inputs[1]}
-        inputs = tuple(by_arg[k[1]] if k[0] == "arg" and k[1] in by_arg else replicate for k in keys)
+        pa, pb = s.inputs[0], s.inputs[1]
+        assert pa is not None and pb is not None
+        by_name = {
+            "scale_a": _scale_placements(pa, 0) if rowwise["scale_a"] else replicate,
+            "scale_b": _scale_placements(pb, 1) if rowwise["scale_b"] else replicate,
+        }
+        by_arg = {("arg", 0): pa, ("arg", 1): pb}
+        inputs = tuple(by_arg.get(k) or by_name.get(names.get(k, ""), replicate) for k in keys)
         shardings.append(Sharding(inputs, s.outputs))
     return shardings
+
+
+def _scale_placements(operand: Placements, dim: int) -> Placements:
+    """A rowwise scale's placements: sharded where its operand shards the scaled dim (`dim`: a's rows, b's
+    columns), whole elsewhere (a shard of the contraction dim, Replicate or Partial)."""
+    return tuple(p if isinstance(p, Shard) and p.dim == dim else Replicate() for p in operand)
 
 
 def _in_spec_order(keys: list[tuple], positions: list[int], sharding: Sharding) -> Sharding:

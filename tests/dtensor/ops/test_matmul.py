@@ -109,7 +109,7 @@ def test_rule_for_scalar_bias_offers_no_partial_output() -> None:
 
 def test_rule_for_float8_scaled_mm_takes_mm_layouts_with_replicated_scales() -> None:
     """`_scaled_mm(a, b, scale_a, scale_b)` (models.float8): the operands lay out as mm's, the 0-d scales are
-    Replicate in every candidate; a float8 output never comes out Partial; rowwise scales are refused."""
+    Replicate in every candidate; a float8 output never comes out Partial; rowwise scales follow their operand."""
     from parallelisms.dtensor.ops.matmul import scaled_mm_rule
 
     e4m3 = torch.float8_e4m3fn
@@ -122,9 +122,14 @@ def test_rule_for_float8_scaled_mm_takes_mm_layouts_with_replicated_scales() -> 
     assert {s.outputs[0] for s in candidates} >= {(P,), (Shard(0),), (R,)}
     call = OpCall(aten._scaled_mm.default, (a, b), {"scale_a": scale, "scale_b": scale, "out_dtype": e4m3})
     assert all(not isinstance(p, Partial) for s in scaled_mm_rule(call) for p in s.outputs[0])
-    rowwise = make_spec((8, 1), R)
-    with pytest.raises(NotImplementedError, match=r"scale_a of shape \(8, 1\) \(rowwise scaling\)"):
-        scaled_mm_rule(OpCall(aten._scaled_mm.default, (a, b), {"scale_a": rowwise, "scale_b": scale}))
+    # rowwise: (8, 1) per row of a, (1, 4) per column of b; sharded with their operand's rows / columns only
+    rows = OpCall(aten._scaled_mm.default, (a, b, make_spec((8, 1), R), make_spec((1, 4), R)), {})
+    layouts = {s.inputs: s.outputs[0] for s in scaled_mm_rule(rows)}
+    assert layouts[((Shard(1),), (Shard(0),), (R,), (R,))] == (P,)  # contraction split: whole scales, Partial
+    assert layouts[((Shard(0),), (R,), (Shard(0),), (R,))] == (Shard(0),)  # a's rows split: scale_a's too
+    assert layouts[((R,), (Shard(1),), (R,), (Shard(1),))] == (Shard(1),)  # b's columns split: scale_b's too
+    with pytest.raises(NotImplementedError, match=r"scale_a of shape \(8, 2\) is neither one element"):
+        scaled_mm_rule(OpCall(aten._scaled_mm.default, (a, b), {"scale_a": make_spec((8, 2), R), "scale_b": scale}))
 
 
 # --------------------------------------------------------------------------------------------------
