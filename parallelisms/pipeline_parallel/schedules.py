@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from .actions import Action, ActionKind, Schedule
@@ -331,13 +331,8 @@ def _zbv_rank(pp: int, num_microbatches: int, rank: int) -> list[Action | None]:
     """One rank of ZB-V, a port of torch's ``ScheduleZBVZeroBubble._calculate_single_rank_operations``."""
     n_micro = max(2 * pp - 1, num_microbatches)
     chunk0, chunk1 = rank, 2 * pp - 1 - rank  # the V: down through chunk 0, back up through chunk 1
-    counts: dict[tuple[int, ActionKind], int] = defaultdict(int)
-    actions: list[Action | None] = [None] * rank
-
-    def add(stage: int, kind: ActionKind) -> None:
-        actions.append(Action(stage, kind, counts[stage, kind]))
-        counts[stage, kind] += 1
-
+    order = _RankOrder([None] * rank)
+    add, counts = order.add, order.counts
     for _ in range(2 * (pp - rank) - 1):  # warm-up 1: forwards of chunk 0 until the first reaches the turn
         add(chunk0, F)
     for _ in range(rank):  # warm-up 2: alternate the two chunks
@@ -367,37 +362,16 @@ def _zbv_rank(pp: int, num_microbatches: int, rank: int) -> list[Action | None]:
         add(chunk0, W)
     # Built for n_micro >= 2 pp - 1 microbatches; the extra ones become idle steps.
     return [
-        a if a is not None and a.microbatch is not None and a.microbatch < num_microbatches else None for a in actions
+        a if a is not None and a.microbatch is not None and a.microbatch < num_microbatches else None
+        for a in order.actions
     ]
 
 
 def _dual_pipe_v_rank(pp: int, num_microbatches: int, rank: int) -> list[Action | None]:
-    """One rank of DualPipeV, a port of torch's ``ScheduleDualPipeV._calculate_single_rank_operations``.
-
-    A B counts as both halves of its microbatch (the I and the W counters advance together); an I queues its W,
-    which a later step takes oldest first.
-    """
+    """One rank of DualPipeV, a port of torch's ``ScheduleDualPipeV._calculate_single_rank_operations``."""
     chunk0, chunk1 = rank, 2 * pp - 1 - rank
-    counts: dict[tuple[int, ActionKind], int] = defaultdict(int)
-    weights_due: list[Action] = []
-    actions: list[Action | None] = []
-
-    def add(stage: int, kind: ActionKind) -> None:
-        mb = counts[stage, I] if kind is B else counts[stage, kind]
-        actions.append(Action(stage, kind, mb))
-        if kind is B:
-            counts[stage, I] += 1
-            counts[stage, W] += 1
-            return
-        counts[stage, kind] += 1
-        if kind is I:
-            weights_due.append(Action(stage, W, mb))
-
-    def add_weight() -> None:
-        if weights_due:
-            action = weights_due.pop(0)
-            actions.append(action)
-            counts[action.stage, W] += 1
+    order = _RankOrder([])
+    add, add_weight = order.add, order.add_weight
 
     def add_pair(forward_stage: int, backward_stage: int) -> None:  # torch's OVERLAP_F_B, run in sequence
         add(forward_stage, F)
@@ -433,4 +407,32 @@ def _dual_pipe_v_rank(pp: int, num_microbatches: int, rank: int) -> list[Action 
         add(chunk0, I if split else B)
     for _ in range(rank + 1):  # 8: the weight gradients left
         add_weight()
-    return actions
+    return order.actions
+
+
+@dataclass
+class _RankOrder:
+    """One rank's actions as a V schedule writes them: each (stage, kind) numbers its microbatches in order; a
+    B counts as both halves of its microbatch (the I and the W numbers advance together), and an I queues its W
+    for ``add_weight``, which takes the oldest."""
+
+    actions: list[Action | None]
+    counts: dict[tuple[int, ActionKind], int] = field(default_factory=lambda: defaultdict(int))
+    weights_due: list[Action] = field(default_factory=list)
+
+    def add(self, stage: int, kind: ActionKind) -> None:
+        mb = self.counts[stage, I] if kind is B else self.counts[stage, kind]
+        self.actions.append(Action(stage, kind, mb))
+        if kind is B:
+            self.counts[stage, I] += 1
+            self.counts[stage, W] += 1
+            return
+        self.counts[stage, kind] += 1
+        if kind is I:
+            self.weights_due.append(Action(stage, W, mb))
+
+    def add_weight(self) -> None:
+        if self.weights_due:
+            action = self.weights_due.pop(0)
+            self.actions.append(action)
+            self.counts[action.stage, W] += 1

@@ -266,15 +266,7 @@ def scaled_mm_rule(call: OpCall) -> list[Sharding]:
     a, b = call.args[0], call.args[1]
     if not isinstance(a, DTensorSpec) or not isinstance(b, DTensorSpec):
         raise NotImplementedError(f"{call.op}: both float8 operands must be DTensors, got {call.args[:2]}")
-    rowwise = {}
-    for name, along in (("scale_a", (a.shape[0], 1)), ("scale_b", (1, b.shape[1]))):
-        scale = bound.get(name)
-        rowwise[name] = isinstance(scale, DTensorSpec) and math.prod(scale.shape) != 1
-        if rowwise[name] and tuple(scale.shape) != along:  # type: ignore[union-attr]
-            raise NotImplementedError(
-                f"{call.op}: {name} of shape {tuple(scale.shape)} is neither one element (tensorwise) nor "  # type: ignore[union-attr]
-                f"{along} (rowwise) for a {tuple(a.shape)} @ {tuple(b.shape)} product"
-            )
+    rowwise = _rowwise_scales(call, a, b)
     if isinstance(bound.get("bias"), DTensorSpec) or isinstance(bound.get("scale_result"), DTensorSpec):
         raise NotImplementedError(f"{call.op}: a DTensor bias or scale_result has no sharding rule; add the bias after")
     einsum = EINSUMS[aten.mm][0]
@@ -298,6 +290,20 @@ def scaled_mm_rule(call: OpCall) -> list[Sharding]:
         inputs = tuple(by_arg.get(k) or by_name.get(names.get(k, ""), replicate) for k in keys)
         shardings.append(Sharding(inputs, s.outputs))
     return shardings
+
+
+def _rowwise_scales(call: OpCall, a: DTensorSpec, b: DTensorSpec) -> dict[str, bool]:
+    """Which of `_scaled_mm`'s DTensor scales are rowwise ((M, 1) / (1, N)); another shape is refused."""
+    rowwise = {}
+    for name, along in (("scale_a", (a.shape[0], 1)), ("scale_b", (1, b.shape[1]))):
+        scale = call.bound.get(name)
+        rowwise[name] = isinstance(scale, DTensorSpec) and math.prod(scale.shape) != 1
+        if isinstance(scale, DTensorSpec) and rowwise[name] and tuple(scale.shape) != along:
+            raise NotImplementedError(
+                f"{call.op}: {name} of shape {tuple(scale.shape)} is neither one element (tensorwise) nor "
+                f"{along} (rowwise) for a {tuple(a.shape)} @ {tuple(b.shape)} product"
+            )
+    return rowwise
 
 
 def _scale_placements(operand: Placements, dim: int) -> Placements:
