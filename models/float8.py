@@ -207,11 +207,12 @@ def recipe_mm(
         return torch.mm(a, b).to(out_dtype)
     a_scale, a_inv = operand_scale(a, cast_a, 1, recipe.power_of_2_scales)
     b_scale, b_inv = operand_scale(b, cast_b, 0, recipe.power_of_2_scales)
-    # torch's kernel takes one granularity: a whole-tensor scale repeated along the other's axis (torchao's)
+    # torch's kernel takes one granularity: a whole-tensor scale repeated along the other's axis (torchao's
+    # `repeat`: CUDA's rowwise kernel reads contiguous scales)
     if cast_a.rowwise and not cast_b.rowwise:
-        b_inv = b_inv.expand(1, b.shape[1])
+        b_inv = b_inv.expand(1, b.shape[1]).contiguous()
     elif cast_b.rowwise and not cast_a.rowwise:
-        a_inv = a_inv.expand(a.shape[0], 1)
+        a_inv = a_inv.expand(a.shape[0], 1).contiguous()
     a8, b8 = cast_to_float8(a, a_scale, cast_a.dtype), cast_to_float8(b, b_scale, cast_b.dtype)
     return scaled_mm(a8, a_inv, b8, b_inv, out_dtype, emulate, fast_accum)
 

@@ -78,8 +78,8 @@ class Model:
     """A Hugging Face tokenizer.json, or a folder holding one (BOS/EOS from tokenizer_config.json next to it,
     else from its special tokens); "" takes hf_assets_path's, or with neither the byte tokenizer (vocab 258)."""
     converters: list[str] = field(default_factory=list)
-    """Model converters: ["float8"] runs the linears' matmuls in float8 with tensorwise scales (models.float8;
-    [quantize.linear.float8] configures it); MX is not implemented."""
+    """Model converters: ["float8"] runs the linears' matmuls in float8, tensorwise or rowwise scales (models.float8;
+    [quantize.linear.float8] configures it, recipe_name picks the scales); MX is not implemented."""
     print_after_conversion: bool = False
     """Log the model after the converters ran."""
     vocab_size: int = 0
