@@ -311,9 +311,10 @@ def convert_to_float8_training(
     FQNs converted. Run it before parallelizing, as torchtitan's converters run. `fsdp_float8_all_gather`:
     mark their weights for fully_shard's float8 all-gather (Float8AllGather; tensorwise only). `recipe_name`:
     None or "tensorwise", or one of `RECIPES`."""
-    recipe = None if recipe_name in (None, "tensorwise") else RECIPES.get(recipe_name)  # type: ignore[arg-type]
-    if recipe_name not in (None, "tensorwise") and recipe is None:
+    tensorwise = recipe_name in (None, "tensorwise")
+    if not tensorwise and recipe_name not in RECIPES:
         raise ValueError(f"float8 recipe {recipe_name!r}: expected 'tensorwise' or one of {sorted(RECIPES)}")
+    recipe = None if tensorwise else RECIPES[recipe_name]  # type: ignore[index]
     if recipe is not None and fsdp_float8_all_gather:
         raise ValueError(
             f"float8 recipe {recipe_name!r} with the float8 all-gather: FSDP gathers float8 weights with one "

@@ -276,8 +276,8 @@ def scaled_mm_rule(call: OpCall) -> list[Sharding]:
         candidates = [s for s in candidates if not any(isinstance(p, Partial) for p in s.outputs[0] or ())]
     replicate = (Replicate(),) * call.mesh_ndim
     keys = spec_keys(call)
-    names = {("arg", 2): "scale_a", ("arg", 3): "scale_b", ("kwarg", "scale_a"): "scale_a"}
-    names[("kwarg", "scale_b")] = "scale_b"
+    names: dict[tuple, str] = {("arg", 2): "scale_a", ("arg", 3): "scale_b"}  # positional or by keyword
+    names |= {("kwarg", name): name for name in ("scale_a", "scale_b")}
     shardings = []
     for s in candidates:
         pa, pb = s.inputs[0], s.inputs[1]
