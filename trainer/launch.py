@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import signal
 import sys
+from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -130,8 +132,26 @@ def launcher_error_summary(error: Exception, endpoint: str) -> str:
     return f"the job stopped: torchrun's agent failed: {what}"
 
 
+def rank_log_dir(args: Any) -> str | None:
+    """Where torchrun keeps every rank's stdout and stderr (`--tee`): `<job.dump_folder>/logs` for the
+    trainer, beside the job's other outputs, instead of an anonymous /tmp/torchelastic_* folder that
+    outlives it; each launch adds its own `<run id>_<suffix>/attempt_<n>/<rank>/` under it. None (torchrun's
+    default) for another script, or when the config cannot be read (the pre-flight has said why)."""
+    script_args = list(args.training_script_args)
+    if args.log_dir or not (args.module and args.training_script == "trainer.train") or "--help" in script_args:
+        return args.log_dir
+    from .config import load_config
+
+    try:
+        cfg = load_config(script_args)
+    except (ValueError, TypeError, OSError):
+        return None
+    return str(Path(cfg.job.dump_folder) / "logs")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    args.log_dir = rank_log_dir(args)
     endpoint = "(the local one of --standalone)" if args.standalone else args.rdzv_endpoint
     try:
         run(args)

@@ -124,3 +124,20 @@ def test_a_diverging_job_reports_its_error_once(tmp_path: Path) -> None:
     assert f"stopped with it: rank {1 - first} (SIGTERM)" in out
     assert sum(line.startswith("FloatingPointError: step") for line in out.splitlines()) == 1  # the summary's
     assert len(out.splitlines()) < 60, out
+    # every rank's whole output stays beside the job's other outputs (torchrun's --tee files), not in /tmp
+    (attempt,) = (tmp_path / "logs").glob("*/attempt_0")
+    assert sorted(p.name for p in attempt.iterdir() if p.is_dir()) == ["0", "1"]
+    kept = (attempt / str(first) / "stderr.log").read_text()
+    assert "trainer.metrics: step 1 |" in kept and f"rank {first} failed: FloatingPointError" in kept, kept
+
+
+def test_the_launcher_keeps_rank_logs_in_the_dump_folder(tmp_path: Path) -> None:
+    from torch.distributed.run import parse_args
+
+    from trainer.launch import rank_log_dir
+
+    trainer = ["--standalone", "--tee", "3", "-m", "trainer.train", "--job.dump_folder", str(tmp_path / "job")]
+    assert rank_log_dir(parse_args(trainer)) == str(tmp_path / "job" / "logs")
+    assert rank_log_dir(parse_args(["--log-dir", "/elsewhere", *trainer])) == "/elsewhere"  # the user's choice
+    assert rank_log_dir(parse_args(["-m", "other.module", "--job.dump_folder", "x"])) is None  # not ours: torchrun's
+    assert rank_log_dir(parse_args(["-m", "trainer.train", "--training.steps", "many"])) is None  # the pre-flight says
