@@ -296,13 +296,17 @@ def _check_pipeline(cfg: JobConfig) -> None:
     _check_pipeline_split(cfg, spec)
 
 
+def _local_batches(cfg: JobConfig) -> dict[str, int]:
+    """Each section's local batch, by section: validation's 0 means the training one."""
+    return {"training": cfg.training.local_batch_size,
+            "validation": cfg.validation.local_batch_size or cfg.training.local_batch_size}  # fmt: skip
+
+
 def _check_pipeline_batches(cfg: JobConfig) -> None:
     """Training and validation batches split into whole microbatches of one shape."""
     training, mb = cfg.training, cfg.parallelism.pipeline_parallel_microbatch_size
-    for key, batch in (
-        ("training.local_batch_size", training.local_batch_size),
-        ("validation.local_batch_size", cfg.validation.local_batch_size or training.local_batch_size),
-    ):
+    for section, batch in _local_batches(cfg).items():
+        key = f"{section}.local_batch_size"
         if mb < 1 or batch % mb:
             raise ValueError(
                 f"{key}({batch}) must be a multiple of parallelism.pipeline_parallel_microbatch_size({mb}): the "
@@ -324,7 +328,7 @@ def _check_pipeline_schedule(cfg: JobConfig, spec: ScheduleSpec) -> None:
             f"{spec.name!r}: a split backward computes the weight gradients (W) after the input's (I), from the "
             f"gathered parameters the forward used, which resharding after forward frees; set it to 'default'"
         )
-    val_batch = cfg.validation.local_batch_size or training.local_batch_size
+    val_batch = _local_batches(cfg)["validation"]
     if p.pipeline_parallel_schedule_csv and cfg.validation.enable and val_batch != training.local_batch_size:
         raise NotImplementedError(
             f"validation.local_batch_size({val_batch}) with parallelism.pipeline_parallel_schedule_csv must be "
@@ -340,13 +344,13 @@ def _check_pipeline_split(cfg: JobConfig, spec: ScheduleSpec) -> None:
 
     from .pipeline_schedule import stage_fqns, stages_per_rank
 
-    p, training = cfg.parallelism, cfg.training
+    p = cfg.parallelism
     pp = p.pipeline_parallel_degree
     per_rank = stages_per_rank(cfg, spec)
     stage_fqns(cfg, pp * per_rank, llama3_configs[cfg.model.flavor].n_layers)
-    batches = {"training": training.local_batch_size}
-    if cfg.validation.enable:  # validation runs the schedule's forwards over its own microbatch count
-        batches["validation"] = cfg.validation.local_batch_size or training.local_batch_size
+    batches = _local_batches(cfg)
+    if not cfg.validation.enable:  # validation runs the schedule's forwards over its own microbatch count
+        del batches["validation"]
     for section, batch in batches.items():
         microbatches = batch // p.pipeline_parallel_microbatch_size
         try:

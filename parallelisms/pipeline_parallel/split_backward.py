@@ -52,15 +52,15 @@ def backward_input(
 
 def backward_weight(pending: WeightGradients) -> None:
     """W: the parameters' gradients from the branch nodes' gradients I kept, accumulated into `.grad`."""
-    for i, (node, params) in enumerate(pending.branches):
-        received = pending.received.get(i, ())
-        edges = [GradientEdge(node, slot) for slot, g in enumerate(received) if g is not None]
-        if not edges:
-            continue
-        grads = [g for g in received if g is not None]
-        with saved_outputs_kept():  # each branch's grad call recomputes checkpointed blocks anew
+    with saved_outputs_kept():  # each branch's grad call recomputes checkpointed blocks anew
+        for i, (node, params) in enumerate(pending.branches):
+            received = pending.received.get(i, ())
+            edges = [GradientEdge(node, slot) for slot, g in enumerate(received) if g is not None]
+            if not edges:
+                continue
+            grads = [g for g in received if g is not None]
             found = torch.autograd.grad(edges, [get_gradient_edge(p) for p in params], grads, allow_unused=True)
-        _accumulate(params, found)
+            _accumulate(params, found)
     pending.received.clear()
 
 
