@@ -3,7 +3,9 @@
 Times all-reduce, all-gather and reduce-scatter of 1 element to 16 MiB on `--ranks` gloo processes
 (or NCCL with `--backend nccl` on GPUs), fits the α–β line `seconds = α + sent / β` to the medians
 (sent: the bytes one rank sends in a ring, redistribute.RING_VOLUME; `fit` says how), and prints the fit beside
-`parallelisms.dtensor.cost`'s intra-host link for that backend, with the model's error at each size:
+`parallelisms.dtensor.cost`'s intra-host link for that backend, with the model's error at each size. It also
+times our reduce-scatter (`collectives.reduce_scatter_flat`: on gloo an all_to_all and a local sum) beside the
+backend's own (`reduce_scatter_ms` in the summary, by size):
 
     python bench/collective_latency.py --ranks 2 --repeats 200
 """
@@ -26,7 +28,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from parallelisms.dtensor.collectives import reduce_scatter_flat
 
+OURS = "reduce_scatter (meshtrain)"
 SIZES = [1, 1024, 16 * 1024, 256 * 1024, 4 * 1024 * 1024]  # fp32 elements: 4 B .. 16 MiB
 
 
@@ -57,6 +61,8 @@ def _worker(rank: int, world: int, backend: str, port: int, repeats: int, out: d
     warnings.filterwarnings("ignore", category=FutureWarning)  # reduce_scatter_tensor's rename
     dist.init_process_group(backend, rank=rank, world_size=world)
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    group = dist.group.WORLD
+    assert group is not None
 
     def sync() -> None:
         if backend == "nccl":
@@ -70,6 +76,7 @@ def _worker(rank: int, world: int, backend: str, port: int, repeats: int, out: d
             "all_reduce": (functools.partial(dist.all_reduce, x), 2 * x.nbytes * (world - 1) / world),
             "all_gather": (functools.partial(dist.all_gather_into_tensor, x, chunk), x.nbytes * (world - 1) / world),
             "reduce_scatter": (functools.partial(dist.reduce_scatter_tensor, chunk, x), x.nbytes * (world - 1) / world),
+            OURS: (functools.partial(reduce_scatter_flat, x, "sum", group), x.nbytes * (world - 1) / world),
         }
         for kind, (fn, sent) in cases.items():
             seconds = _time(functools.partial(_call_and_sync, fn, sync), repeats)
@@ -100,7 +107,7 @@ def main() -> None:
     port = 29000 + os.getpid() % 1000
     mp.spawn(_worker, args=(a.ranks, a.backend, port, a.repeats, out), nprocs=a.ranks)
     rows = out["rows"]
-    alpha, beta = fit(rows)
+    alpha, beta = fit([r for r in rows if r["kind"] != OURS])
     link = (NCCL_LINKS if a.backend == "nccl" else GLOO_LINKS).intra_host
     for r in rows:
         model = link.latency_s + r["sent"] / link.bandwidth_bytes_per_s
@@ -111,6 +118,15 @@ def main() -> None:
         "measured": {"latency_us": round(alpha * 1e6, 1), "bandwidth_GBps": round(beta / 1e9, 2)},
         "cost_model": {"latency_us": link.latency_s * 1e6, "bandwidth_GBps": link.bandwidth_bytes_per_s / 1e9},
         "one_element_all_reduce_us": round(rows[0]["seconds"] * 1e6, 1),
+        "reduce_scatter_ms": {
+            r["bytes"]: {
+                k["kind"]: round(k["seconds"] * 1e3, 3)
+                for k in rows
+                if k["bytes"] == r["bytes"] and "scatter" in k["kind"]
+            }
+            for r in rows
+            if r["kind"] == OURS
+        },
     }
     print(json.dumps(summary))
 

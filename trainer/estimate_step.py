@@ -30,7 +30,7 @@ from models.llama3 import Transformer, TransformerModelArgs, llama3_configs
 from models.llama3.parallelize import parallelize_llama
 from parallelisms.activation_checkpoint import ACMode
 from parallelisms.dtensor import DeviceMesh, DTensor
-from parallelisms.dtensor.debug import _COLLECTIVES, CommDebugMode, _defers_to_subclass, _nbytes
+from parallelisms.dtensor.debug import CommDebugMode, _defers_to_subclass, counted_collective
 from parallelisms.fsdp import MixedPrecisionPolicy
 from parallelisms.parallel_dims import FLATTENED
 from parallelisms.pipeline_parallel import stage_to_rank
@@ -118,13 +118,13 @@ class MeshCommDebugMode(CommDebugMode):
         self.by_dim: defaultdict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        entry = None if any(_defers_to_subclass(t) for t in types) else _COLLECTIVES.get(func._overloadpacket)
-        if entry is not None:
-            key, payload = entry
+        counted = None if any(_defers_to_subclass(t) for t in types) else counted_collective(func, args)
+        if counted is not None:
+            key, nbytes = counted
             dim = self._mesh_dim([*args, *(kwargs or {}).values()])
             record = self.by_dim[(_kind(key), dim)]
             record[0] += 1
-            record[1] += _nbytes(args[payload]) if payload < len(args) else 0
+            record[1] += nbytes
         return super().__torch_dispatch__(func, types, args, kwargs)
 
     def _mesh_dim(self, values: list[Any]) -> str:

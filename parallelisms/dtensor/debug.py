@@ -14,6 +14,9 @@ They do not depend on the algorithm the backend picks, so two implementations co
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -59,6 +62,29 @@ _COLLECTIVES: dict[Any, tuple[Any, int]] = {
     _c10d.send: (_c10d.send, 0),  # point-to-point (pipeline stages, ring attention): counted per send / recv
     _c10d.recv_: (_c10d.recv_, 0),
 }
+
+
+_COUNTED_AS: ContextVar[Any] = ContextVar("comm_debug_counted_as", default=None)
+
+
+@contextmanager
+def counted_as(key: Any) -> Iterator[None]:
+    """Count the collectives issued inside as `key`: a backend's own way of running a collective (gloo's
+    reduce_scatter as an all_to_all and a local sum, collectives.py) counts as the collective asked for."""
+    token = _COUNTED_AS.set(key)
+    try:
+        yield
+    finally:
+        _COUNTED_AS.reset(token)
+
+
+def counted_collective(func: Any, args: tuple) -> tuple[Any, int] | None:
+    """(the key a collective op counts under, its payload bytes), or None for an op that is no collective."""
+    entry = _COLLECTIVES.get(func._overloadpacket)
+    if entry is None:
+        return None
+    key, payload = entry
+    return _COUNTED_AS.get() or key, _nbytes(args[payload]) if payload < len(args) else 0
 
 
 def _nbytes(value: Any) -> int:
@@ -210,11 +236,11 @@ class CommDebugMode(TorchDispatchMode):
             # the collectives it issues on local tensors come back here and are counted. Handling
             # it here would pop the mode and hide them (torch's CommDebugMode does the same).
             return NotImplemented
-        entry = _COLLECTIVES.get(func._overloadpacket)
-        if entry is not None:
-            key, payload = entry
+        counted = counted_collective(func, args)
+        if counted is not None:
+            key, nbytes = counted
             self.comm_counts[key] += 1
-            self.comm_bytes[key] += _nbytes(args[payload]) if payload < len(args) else 0
+            self.comm_bytes[key] += nbytes
             phase = "backward" if self._modules.is_bw else "forward"
             for name in self._modules.parents | {"Global"}:
                 self._module_counts(name)[phase][key] += 1

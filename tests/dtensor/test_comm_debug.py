@@ -169,6 +169,11 @@ def test_comm_debug_mode_counts_dtensor_redistribute_under_torch_keys():
             case = f"{src}->{dst}"
             assert ours_sees_torch == torch_sees_torch, (case, ours_sees_torch, torch_sees_torch)
             mapped = {C10D_TO_FUNCTIONAL[k]: v for k, v in torch_sees_ours.items()}
+            if (src, dst) == ("P(sum)", "S(0)"):
+                # gloo's reduce_scatter runs as an all_to_all and a local sum (collectives._reduce_scatter_single):
+                # torch's mode sees the all_to_all, ours counts the reduce_scatter it stands for
+                assert mapped == {F + "all_to_all_single": 1}, mapped
+                mapped = {F + "reduce_scatter_tensor": 1}
             assert mapped == counts, (case, torch_sees_ours, counts)
             if (src, dst) == ("S(0)", "S(1)"):
                 # ours: one all_to_all of the unpadded shard; torch on gloo falls back to all_gather
