@@ -549,12 +549,15 @@ def teardown(device: torch.device, *, owns_group: bool) -> None:
 @record  # torchrun's error file for errors before the world exists (after it, report_failure writes it)
 def main(argv: list[str] | None = None) -> int:
     from .failure import claim_agent_died
+    from .host_memory import keep_freed_host_memory
     from .lifeline import watch_agent
     from .nodes import locate_rank_zero
 
     watch_agent(on_lost=claim_agent_died)  # first: an orphan (its agent killed) must stop, even mid-rendezvous
     cfg = load_config(sys.argv[1:] if argv is None else argv)
     device = build_device()
+    if device.type == "cpu":  # the tensors live in malloc's memory; on a GPU the caching allocator keeps it
+        keep_freed_host_memory()
     owns_group = init_distributed(device, cfg.comm, cfg.job.dump_folder)
     setup_logging(dist.get_rank())
     reports = owns_group and under_torchelastic()
