@@ -7,7 +7,7 @@ step faulted them in again, page by page: measured on the debug model (FSDP on 2
 about 9,000 minor faults per rank and step, and the loss's forward took 15-24 ms with 4,096 faults
 (its fresh 16 MiB log-softmax) against 6.3-8.9 ms without. With the largest mmap threshold glibc
 allows (32 MiB, so blocks up to it come from the heap) and trimming only past 2 GiB, a steady step
-faults about 30 pages (one process, one thread: 10,700 fewer a step, and 40 ms less system time).
+faults about 30 pages (one process, one thread: 10,700 fewer a step, and 35-60 ms less system time).
 The cost is that the process keeps its peak heap, which is what a training job holds anyway.
 """
 

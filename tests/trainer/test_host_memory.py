@@ -1,9 +1,11 @@
-"""trainer.host_memory: after `keep_freed_host_memory()`, glibc serves a 20 MiB tensor from its heap (not a
-fresh mmap) and keeps it after the free; without the call it maps and unmaps it. Each case runs in a fresh
-interpreter, since the setting is process-wide."""
+"""trainer.host_memory: after `keep_freed_host_memory()` glibc serves three 30 MiB tensors from its heap and
+keeps them there after the free; with glibc's own settings they are mapped and unmapped, or (once its
+dynamic threshold has risen) trimmed off the heap's top on free. Both cases run in fresh interpreters (the
+setting is process-wide); a third checks that the trainer's `main` makes the setting on a CPU rank."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import subprocess
 import sys
@@ -11,46 +13,75 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.world import run_world
 
-PROBE = """
-import ctypes, json, sys, torch
-from trainer.host_memory import keep_freed_host_memory
+ROOT = Path(__file__).resolve().parents[2]
+MIB = 1 << 20
+BLOCKS, BLOCK_MIB = 3, 30  # under the 32 MiB threshold each; together over glibc's dynamic trim threshold
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+
+
+_MALLINFO2 = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()
+
 
 class MallInfo2(ctypes.Structure):  # glibc >= 2.33
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+    _fields_ = [(name, ctypes.c_size_t) for name in _MALLINFO2]
 
-libc = ctypes.CDLL("libc.so.6")
-libc.mallinfo2.restype = MallInfo2
+
+def heap_probe() -> dict[str, int]:
+    """Bytes malloc mapped for BLOCKS tensors, and bytes it took off its heap when they were freed."""
+    import torch
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = MallInfo2
+    before = libc.mallinfo2()
+    blocks = [torch.ones(BLOCK_MIB * MIB // 4) for _ in range(BLOCKS)]
+    during = libc.mallinfo2()
+    del blocks
+    after = libc.mallinfo2()
+    return {"mapped": during.hblkhd - before.hblkhd, "trimmed": during.arena - after.arena}
+
+
+PROBE = """
+import json, sys
+from tests.trainer.test_host_memory import heap_probe
+from trainer.host_memory import keep_freed_host_memory
 kept = keep_freed_host_memory() if sys.argv[1] == "keep" else None
-before = libc.mallinfo2()
-block = torch.ones(5 << 20)  # 20 MiB
-during = libc.mallinfo2()
-del block
-after = libc.mallinfo2()
-print(json.dumps({"kept": kept, "mapped_growth": during.hblkhd - before.hblkhd,
-                  "heap_growth": during.arena - before.arena, "heap_after_free": after.arena - before.arena}))
+print(json.dumps({"kept": kept, **heap_probe()}))
 """
 
 
 def probe(mode: str) -> dict:
-    done = subprocess.run([sys.executable, "-c", PROBE, mode], cwd=ROOT, capture_output=True, text=True, check=True)
+    try:
+        done = subprocess.run([sys.executable, "-c", PROBE, mode], cwd=ROOT, capture_output=True, text=True, check=True)
+    except subprocess.CalledProcessError as error:  # no mallinfo2: not glibc, or older than 2.33
+        pytest.skip(f"glibc >= 2.33 needed to observe malloc: {error.stderr[-300:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
 def test_freed_host_memory_stays_in_the_heap() -> None:
-    try:
-        plain = probe("plain")
-    except subprocess.CalledProcessError as error:  # no mallinfo2: not glibc, or older than 2.33
-        pytest.skip(f"glibc >= 2.33 needed to observe malloc: {error.stderr[-300:]}")
-    assert plain["mapped_growth"] >= 20 << 20  # the default: a fresh mmap per large block
+    plain = probe("plain")
+    assert plain["mapped"] + plain["trimmed"] >= BLOCK_MIB * MIB  # glibc's own: unmapped or trimmed on free
     kept = probe("keep")
-    assert kept["kept"] is True
-    assert kept["mapped_growth"] == 0
-    assert kept["heap_growth"] >= 20 << 20
-    assert kept["heap_after_free"] >= 20 << 20  # not trimmed: the next step reuses it without page faults
+    assert kept == {"kept": True, "mapped": 0, "trimmed": 0}  # the next step reuses it without page faults
+
+
+def _train_then_probe(argv: list[str]) -> dict[str, int]:
+    from trainer.train import main
+
+    assert main(argv) == 0
+    return heap_probe()
+
+
+def test_the_trainer_keeps_freed_host_memory_on_cpu(tmp_path: Path) -> None:
+    probe("plain")  # skips where malloc cannot be observed
+    argv = [
+        "--job.config_file", str(ROOT / "configs" / "debug_model.toml"), "--job.dump_folder", str(tmp_path),
+        "--training.steps", "1", "--training.seq_len", "32", "--lr_scheduler.warmup_steps", "0",
+    ]  # fmt: skip
+    (rank0,) = run_world(_train_then_probe, 1, argv)
+    assert rank0 == {"mapped": 0, "trimmed": 0}
 
 
 def test_user_tunables_win(monkeypatch: pytest.MonkeyPatch) -> None:
