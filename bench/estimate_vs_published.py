@@ -3,14 +3,14 @@
 `python bench/estimate_vs_published.py [--every_block]` runs `python -m trainer.estimate --json` once per row
 (one CPU process each, fake ranks) and prints our prediction beside the published tok/s per GPU and peak
 memory; `--every_block` passes the estimator's flag of that name (every block traced, not two samples).
-The efficiency constants are trainer.devices' (one per device, not fitted per row). torchtitan's peak
+The efficiency constants are trainer.estimate.devices' (one per device, not fitted per row). torchtitan's peak
 memory is the CUDA allocator's (reserved, fragmentation and cache included), so it is compared with our
-reserved peak: the step's allocations replayed through a model of that allocator (trainer.estimate_allocator);
+reserved peak: the step's allocations replayed through a model of that allocator (trainer.estimate.allocator);
 the live tensor bytes are shown beside it.
 
 The 405B rows run float8 linears (model.converters = ["float8"], the output left in bf16), FSDP gathering them
 in float8 with precomputed scales, as torchtitan's 405B config and benchmark did; its compile is not applied
-(meshtrain compiles no TP layout), so the casts are priced as eager kernels (trainer.estimate_time). Their
+(meshtrain compiles no TP layout), so the casts are priced as eager kernels (trainer.estimate.pricing). Their
 microbatches are as published: torchtitan at the
 benchmark's commit (9dec370, 2024-12) split the local batch into as many microbatches as the pipeline has
 stages when `pipeline_parallel_microbatches` was not set (its benchmark sets none): 8 microbatches of 4

@@ -1,4 +1,5 @@
 """Shared pytest fixtures. World section: multi-process ranks for distributed tests."""
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator

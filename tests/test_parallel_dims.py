@@ -62,8 +62,9 @@ def test_enabled_properties():
 def _mesh_layout(dp_replicate: int, dp_shard: int, tp: int) -> dict:
     import torch.distributed as dist
 
-    dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=1, tp=tp, pp=1,
-                        world_size=dist.get_world_size())
+    dims = ParallelDims(
+        dp_replicate=dp_replicate, dp_shard=dp_shard, cp=1, tp=tp, pp=1, world_size=dist.get_world_size()
+    )
     mesh = dims.build_mesh("cpu")
     out: dict[str, object] = {"names": mesh.mesh_dim_names, "shape": mesh.shape}
     for name in ("tp", "dp", "dp_shard_cp", "dp_cp", "dp_shard", "dp_replicate"):

@@ -1,4 +1,5 @@
 """Tests for the multi-process test harness in tests/world.py."""
+
 from __future__ import annotations
 
 import os
@@ -173,8 +174,11 @@ def test_peer_stuck_in_collective_named_after_grace_when_rank_raises() -> None:
 def test_hang_raises_world_error_naming_rank_when_timeout_passes() -> None:
     world = get_world(4)
     start = time.monotonic()
-    with pytest.raises(WorldError, match=r"ranks \[1\] of world 4 did not finish "
-                                         r"_sleep_on_rank within 2(\.0)?s"):
+    with pytest.raises(
+        WorldError,
+        match=r"ranks \[1\] of world 4 did not finish "
+        r"_sleep_on_rank within 2(\.0)?s",
+    ):
         world.run(_sleep_on_rank, 1, 60.0, timeout=2)
     assert 2 <= time.monotonic() - start < 6
     assert not any(_alive(p) for p in world.pids)
@@ -227,8 +231,7 @@ def test_ranks_die_when_parent_is_killed(tmp_path) -> None:
         print(*World(2).pids, flush=True)
         time.sleep(60)
     """)
-    proc = subprocess.Popen([sys.executable, "-c", script, os.getcwd()], stdout=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen([sys.executable, "-c", script, os.getcwd()], stdout=subprocess.PIPE, text=True)
     try:
         pids = [int(p) for p in proc.stdout.readline().split()]
         assert len(pids) == 2 and all(_alive(p) for p in pids)

@@ -12,6 +12,7 @@ run may have left mid-collective is killed and transparently rebuilt on next use
 Results must be picklable too. Every rank gets ``torch.set_num_threads(1)``.
 Rank output is flushed after every call, so pytest attributes it to the test.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -71,8 +72,9 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def _rank_main(rank: int, size: int, backend: str, store_file: str, port: int,
-               conn: Connection, timeout: float, parent_pid: int) -> None:
+def _rank_main(
+    rank: int, size: int, backend: str, store_file: str, port: int, conn: Connection, timeout: float, parent_pid: int
+) -> None:
     _die_with_parent(parent_pid)
     # Ctrl-C goes to the whole process group; let the parent decide (it kills us at exit).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -85,15 +87,22 @@ def _rank_main(rank: int, size: int, backend: str, store_file: str, port: int,
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False)
     faulthandler.enable(file=2, all_threads=False)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
         # A FileStore rendezvous cannot race with other test sessions for a port.
-        dist.init_process_group(backend, init_method=f"file://{store_file}", rank=rank,
-                                world_size=size, timeout=timedelta(seconds=timeout))
+        dist.init_process_group(
+            backend, init_method=f"file://{store_file}", rank=rank, world_size=size, timeout=timedelta(seconds=timeout)
+        )
         conn.send(("ok", None))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
@@ -171,9 +180,12 @@ class World:
         self._conns: list[Connection] = []
         for rank in range(world_size):
             parent_conn, child_conn = ctx.Pipe()
-            p = ctx.Process(target=_rank_main, name=f"world{world_size}-rank{rank}", daemon=True,
-                            args=(rank, world_size, backend, self._store_file, port, child_conn,
-                                  timeout, os.getpid()))
+            p = ctx.Process(
+                target=_rank_main,
+                name=f"world{world_size}-rank{rank}",
+                daemon=True,
+                args=(rank, world_size, backend, self._store_file, port, child_conn, timeout, os.getpid()),
+            )
             if backend == "nccl":
                 p.start()
             else:
@@ -191,8 +203,7 @@ class World:
     def alive(self) -> bool:
         return not self.broken and all(p.is_alive() for p in self._procs)
 
-    def run(self, fn: Callable[..., T], *args: Any, timeout: float | None = None,
-            **kwargs: Any) -> list[T]:
+    def run(self, fn: Callable[..., T], *args: Any, timeout: float | None = None, **kwargs: Any) -> list[T]:
         """Call ``fn(*args, **kwargs)`` on every rank; return the results in rank order."""
         if not self.alive():
             raise WorldError(f"world {self.world_size} is closed or broken; use get_world()")
@@ -200,9 +211,11 @@ class World:
         try:
             msg = pickle.dumps((fn, args, kwargs))
         except Exception as e:
-            raise TypeError(f"world.run({name}, ...): fn and its arguments must be picklable by "
-                            f"reference -- use module-level functions, not lambdas, closures or "
-                            f"nested functions ({type(e).__name__}: {e})") from e
+            raise TypeError(
+                f"world.run({name}, ...): fn and its arguments must be picklable by "
+                f"reference -- use module-level functions, not lambdas, closures or "
+                f"nested functions ({type(e).__name__}: {e})"
+            ) from e
         try:
             for conn in self._conns:
                 conn.send_bytes(msg)
@@ -239,8 +252,7 @@ class World:
         parts = [f"rank {r} raised:\n{tb}" for r, tb in sorted(errors.items())]
         if pending:
             waited = f"{_GRACE_S}s grace after the failure" if errors else f"{timeout}s"
-            parts.insert(0, f"ranks {sorted(pending)} of world {self.world_size} did not "
-                            f"finish {name} within {waited}")
+            parts.insert(0, f"ranks {sorted(pending)} of world {self.world_size} did not finish {name} within {waited}")
         raise WorldError(f"{name} failed on world {self.world_size}:\n" + "\n".join(parts))
 
     def _death_note(self, rank: int) -> str:

@@ -38,7 +38,7 @@ from urllib.parse import urlparse
 
 import torch
 
-from .data_files import accumulation_steps, resolve_data_files
+from .config.data_files import accumulation_steps, resolve_data_files
 from .tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)

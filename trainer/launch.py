@@ -5,7 +5,7 @@ launcher itself ends (a signal, a lost rendezvous).
 torchrun's own summary lists every rank that exited non-zero, including the peers it stopped
 (SIGTERM) after the first failure, and picks its "root cause" by a timestamp in whole seconds, so a
 bystander without an error file often wins the tie. Here the root cause is, in this order: a rank
-that wrote a real error report (`trainer.failure` makes only the first failing rank write one); a
+that wrote a real error report (`trainer.process.failure` makes only the first failing rank write one); a
 rank killed from outside (SIGKILL, SIGSEGV, ...: it could write nothing, and its peers' collectives
 broke because of it); a rank whose report is only such a broken connection; then exit codes, then
 the ranks the agent stopped. The rest are one line.
@@ -23,6 +23,8 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousError, RendezvousTimeoutError
 from torch.distributed.run import parse_args, run
+
+from .process.log_prefix import prefix_teed_lines
 
 # The signal the agent stops a job's other ranks with (torchrun's default death signal): a rank
 # that died by it is a bystander, one that died by any other signal was killed by something else.
@@ -152,6 +154,8 @@ def rank_log_dir(args: Any) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     args.log_dir = rank_log_dir(args)
+    if args.tee not in (None, "", "0"):  # only teed streams are prefixed
+        prefix_teed_lines()
     endpoint = "(the local one of --standalone)" if args.standalone else args.rdzv_endpoint
     try:
         run(args)

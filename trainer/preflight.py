@@ -18,11 +18,13 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .config import JobConfig, Parallelism, did_you_mean, load_config
-from .state_floor import available_host_memory, check_host_memory, runs_on_cpu
+from .config.state_floor import available_host_memory, check_host_memory, runs_on_cpu
 
 if TYPE_CHECKING:  # the pre-flight runs before torch is imported
     from parallelisms.parallel_dims import ParallelDims
     from parallelisms.pipeline_parallel import ScheduleSpec
+
+    from .config.pipeline_setup import PipelineSetup
 
 # (key, check, what it must be) for values that have a valid range
 _RANGES: list[tuple[str, Callable[[Any], bool], str]] = [
@@ -73,9 +75,8 @@ def check_config(cfg: JobConfig, world_size: int | None = None, *, local_files: 
     _check_unavailable(cfg)
     _check_converters(cfg)
     _check_paths(cfg)
-    warnings = _schedule_warnings(cfg) + _feature_warnings(cfg) + _float8_warnings(cfg)
     if world_size is not None:  # the degree arithmetic and the accumulation split, where they live
-        from .data_files import accumulation_steps
+        from .config.data_files import accumulation_steps
 
         dims = build_parallel_dims(cfg.parallelism, world_size)
         if cfg.training.global_batch_size != -1:
@@ -83,7 +84,8 @@ def check_config(cfg: JobConfig, world_size: int | None = None, *, local_files: 
                 cfg.training.global_batch_size, cfg.training.local_batch_size, dims.dp_replicate * dims.dp_shard
             )
     _check_tp_divides_model(cfg)
-    _check_pipeline(cfg)
+    pipeline = _check_pipeline(cfg)
+    warnings = _schedule_warnings(cfg) + _feature_warnings(cfg, pipeline) + _float8_warnings(cfg)
     _check_data(cfg, local_files=local_files)
     _check_checkpoint(cfg)
     _check_validation(cfg)
@@ -111,14 +113,11 @@ def _schedule_warnings(cfg: JobConfig) -> list[str]:
     )[1]  # fmt: skip
 
 
-def _feature_warnings(cfg: JobConfig) -> list[str]:
+def _feature_warnings(cfg: JobConfig, pipeline: PipelineSetup | None) -> list[str]:
     """Keys whose effect is only speed, set where they cannot act: the job runs, and says so."""
     p, warnings = cfg.parallelism, []
-    if p.pipeline_parallel_degree > 1 and p.pipeline_parallel_microbatch_size >= 1:
-        from .pipeline_schedule import stages_per_rank  # pure Python
-
-        stages = p.pipeline_parallel_degree * stages_per_rank(cfg)
-        m = cfg.training.local_batch_size // p.pipeline_parallel_microbatch_size
+    if pipeline is not None:
+        stages, m = pipeline.num_stages, pipeline.microbatches
         if m < stages:
             warnings.append(
                 f"{m} pipeline microbatches (training.local_batch_size / "
@@ -283,17 +282,19 @@ def _unwritable(folder: Any) -> str | None:
     return None
 
 
-def _check_pipeline(cfg: JobConfig) -> None:
-    """Under pipeline parallelism: a schedule the runtime runs, microbatches that split the local batch and
-    that the schedule accepts, a layer split that leaves no stage empty, and what is not built yet refused."""
+def _check_pipeline(cfg: JobConfig) -> PipelineSetup | None:
+    """Under pipeline parallelism, the job's pipeline setup (None without), resolved as the trainer and the dry
+    run resolve it: a schedule the runtime runs, microbatches that split the local batch and that the schedule
+    accepts, a layer split that leaves no stage empty, and what is not built yet refused."""
     if cfg.parallelism.pipeline_parallel_degree <= 1:
-        return
-    from .pipeline_schedule import schedule_spec
+        return None
+    from .config.pipeline_setup import resolve_pipeline
 
     _check_pipeline_batches(cfg)
-    spec = schedule_spec(cfg)  # a CSV schedule's file is read and checked here
-    _check_pipeline_schedule(cfg, spec)
-    _check_pipeline_split(cfg, spec)
+    setup = resolve_pipeline(cfg)  # a CSV schedule's file is read and checked here
+    _check_pipeline_schedule(cfg, setup.schedule)
+    _check_schedule_microbatches(cfg, setup)
+    return setup
 
 
 def _local_batches(cfg: JobConfig) -> dict[str, int]:
@@ -337,24 +338,16 @@ def _check_pipeline_schedule(cfg: JobConfig, spec: ScheduleSpec) -> None:
         )
 
 
-def _check_pipeline_split(cfg: JobConfig, spec: ScheduleSpec) -> None:
-    """A known flavor's modules split into stages the schedule runs (the count per rank and the parts:
-    `stages_per_rank`, `stage_fqns`), and the schedule lays out the step's microbatches."""
-    from models.llama3.args import llama3_configs  # dataclasses only, no torch
-
-    from .pipeline_schedule import stage_fqns, stages_per_rank
-
+def _check_schedule_microbatches(cfg: JobConfig, setup: PipelineSetup) -> None:
+    """The schedule lays out the microbatches of each batch it runs (training's, and validation's when on)."""
     p = cfg.parallelism
-    pp = p.pipeline_parallel_degree
-    per_rank = stages_per_rank(cfg, spec)
-    stage_fqns(cfg, pp * per_rank, llama3_configs[cfg.model.flavor].n_layers)
     batches = _local_batches(cfg)
     if not cfg.validation.enable:  # validation runs the schedule's forwards over its own microbatch count
         del batches["validation"]
     for section, batch in batches.items():
         microbatches = batch // p.pipeline_parallel_microbatch_size
         try:
-            spec.generate(pp, per_rank, microbatches)
+            setup.schedule.generate(setup.pp, setup.stages_per_rank, microbatches)
         except ValueError as e:
             raise ValueError(f"parallelism.pipeline_parallel_schedule={p.pipeline_parallel_schedule!r} with "
                              f"{microbatches} microbatches ({section}.local_batch_size / "
@@ -382,7 +375,7 @@ def _check_validation(cfg: JobConfig) -> None:
                 f"or validation.dataset='embedded'"
             )
         return
-    from .data_files import resolve_data_files
+    from .config.data_files import resolve_data_files
 
     try:
         files = {p.resolve() for p in resolve_data_files(val.dataset_path)[1]}
@@ -430,7 +423,7 @@ def _check_data(cfg: JobConfig, *, local_files: bool = True) -> None:
             f"set model.vocab_size={padded} (pads the embedding and output)"
         )
     if cfg.training.dataset_path and local_files:
-        from .data_files import resolve_data_files
+        from .config.data_files import resolve_data_files
 
         resolve_data_files(cfg.training.dataset_path)
 

@@ -16,7 +16,8 @@ from parallelisms.context_parallel import SequenceSharding
 from parallelisms.dtensor import DeviceMesh
 from parallelisms.parallel_dims import ParallelDims
 
-from .job_config import JobConfig
+from .config.pipeline_setup import PipelineSetup, resolve_pipeline
+from .config.sections import JobConfig
 from .step import MicroBatches
 
 
@@ -57,13 +58,15 @@ def resolve_precision(cfg: JobConfig, device: torch.device, parallel_dims: Paral
 @dataclass(frozen=True)
 class Runtime:
     """Where the job runs: its parallel degrees, the world mesh and this rank's device; how: loss
-    parallelism and precision. dp_rank / dp_size are this rank's place on the data-loading "dp" dim."""
+    parallelism, precision and the pipeline setup. dp_rank / dp_size are this rank's place on the data-loading
+    "dp" dim."""
 
     parallel_dims: ParallelDims
     world_mesh: DeviceMesh
     device: torch.device
     loss_parallel: bool = False
     precision: Precision = field(default_factory=Precision)
+    pipeline: PipelineSetup | None = None  # None: no pipeline parallelism
     dp_rank: int = field(init=False)
     dp_size: int = field(init=False)
 
@@ -101,4 +104,7 @@ def build_runtime(cfg: JobConfig, parallel_dims: ParallelDims, world_mesh: Devic
     p = cfg.parallelism
     loss_parallel = parallel_dims.tp_enabled and p.enable_loss_parallel and not p.disable_loss_parallel
     precision = resolve_precision(cfg, device, parallel_dims)
-    return Runtime(parallel_dims, world_mesh, device, loss_parallel=loss_parallel, precision=precision)
+    pipeline = resolve_pipeline(cfg) if parallel_dims.pp_enabled else None
+    return Runtime(
+        parallel_dims, world_mesh, device, loss_parallel=loss_parallel, precision=precision, pipeline=pipeline
+    )

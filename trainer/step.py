@@ -21,7 +21,7 @@ from parallelisms.parallel_dims import ParallelDims
 from parallelisms.tensor_parallel import loss_parallel
 from parallelisms.tensor_parallel.partial_grads import reduce_partial_grads
 
-from .loss import IGNORE_INDEX, CrossEntropy, summed_cross_entropy, token_loss_sum
+from .token_loss import IGNORE_INDEX, CrossEntropy, summed_cross_entropy, token_loss_sum
 
 logger = logging.getLogger(__name__)
 MicroBatches = list[tuple[torch.Tensor, torch.Tensor]]

@@ -28,35 +28,24 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from checkpoint.manager import CheckpointManager
 from checkpoint.stateful import ModelState, OptimizerState, RngState, Stateful
-from models.float8 import convert_to_float8_training
-from models.llama3 import Transformer, TransformerModelArgs, llama3_configs
-from models.llama3.parallelize import parallelize_llama
-from parallelisms.activation_checkpoint import ACMode
-from parallelisms.dtensor.init import layout_invariant_init
-from parallelisms.fsdp import MixedPrecisionPolicy, precompute_all_gather_scales
+from models.llama3 import TransformerModelArgs
 
+from .build import build_model_and_optimizer
 from .checkpointing import TRAINER_ROLES
 from .config import Comm, JobConfig, load_config, save_config, to_toml
 from .data import TokenBatches, build_data_loader
-from .dump_folder import lock_dump_folder
-from .failure import report_failure, under_torchelastic
-from .garbage import GarbageCollection
-from .loss import build_cross_entropy
-from .lr_schedule import build_lr_scheduler
 from .metrics import MetricsLogger, flops_per_token
-from .optim import build_optimizer
-from .pipeline import (
-    Pipeline,
+from .pipeline_training import (
     PipelineParts,
-    build_stages,
-    build_tie_group,
     pipeline_token_loss,
     pipeline_train_step,
-    split_for_rank,
 )
-from .pipeline_schedule import schedule_spec
-from .preemption import PreemptionWatch
-from .preflight import FLOAT8_CONVERTERS, build_parallel_dims, check_config
+from .preflight import build_parallel_dims, check_config
+from .process.dump_folder import lock_dump_folder
+from .process.failure import report_failure, under_torchelastic
+from .process.garbage import GarbageCollection
+from .process.log_prefix import rank_prefix
+from .process.preemption import PreemptionWatch
 from .profiling import Profiler
 from .runtime import Runtime, build_runtime
 from .step import (
@@ -68,6 +57,7 @@ from .step import (
     tokens_per_device,
     train_step,
 )
+from .token_loss import build_cross_entropy
 from .tokenizer import Tokenizer, build_model_tokenizer, model_vocab_size
 from .train_state import TrainState
 from .validate import ScalarWriter, Validator, build_held_out_windows
@@ -77,11 +67,12 @@ logger = logging.getLogger(__name__)
 
 # ------------------------------------------------------------------------------------- setup
 def setup_logging(rank: int) -> None:
-    """`[rank0] time LEVEL module: msg`; ranks not in LOG_RANK (default "0") only log warnings."""
+    """`[rank0] time LEVEL module: msg` (the prefix written once: `process/log_prefix.py`); ranks not in LOG_RANK
+    (default "0") only log warnings."""
     log_ranks = {int(r) for r in os.environ.get("LOG_RANK", "0").split(",") if r.strip()}
     logging.basicConfig(
         level=logging.INFO if rank in log_ranks else logging.WARNING,
-        format=f"[rank{rank}] %(asctime)s %(levelname)s %(name)s: %(message)s",
+        format=rank_prefix(rank) + "%(asctime)s %(levelname)s %(name)s: %(message)s",
         force=True,
     )
 
@@ -136,40 +127,6 @@ def check_unsupported(cfg: JobConfig, device: torch.device) -> None:
         )
 
 
-def build_model(cfg: JobConfig, vocab_size: int, *, n_layers: int | None = None) -> Transformer:
-    """The flavor's Transformer on the meta device (no memory; `init_model` allocates the shards
-    after parallelization), its vocabulary the tokenizer's and max_seq_len seq_len; with `n_layers`, only
-    its first blocks (the dry run's sampled traces)."""
-    # the model's name and flavor: checked by check_config, as every entry point runs it first
-    args = dataclasses.replace(
-        llama3_configs[cfg.model.flavor], vocab_size=vocab_size, max_seq_len=cfg.training.seq_len
-    )
-    if n_layers is not None:
-        args = dataclasses.replace(args, n_layers=n_layers)
-    with torch.device("meta"):
-        model = Transformer(args)
-    if any(name in FLOAT8_CONVERTERS for name in cfg.model.converters):  # before parallelizing, as torchtitan
-        f8 = cfg.quantize.linear.float8
-        converted = convert_to_float8_training(model, filter_fqns=f8.filter_fqns, emulate=f8.emulate,
-                                               fsdp_float8_all_gather=f8.enable_fsdp_float8_all_gather,
-                                               recipe_name=f8.recipe_name)  # fmt: skip
-        kept = [n for n, m in model.named_modules() if type(m) is nn.Linear] or "none"
-        logger.info("float8 (%s): %d linears converted; left in high precision: %s", f8.recipe_name or "tensorwise",
-                    len(converted), kept)  # fmt: skip
-        if cfg.model.print_after_conversion:
-            logger.info("model after conversion:\n%s", model)
-    return model
-
-
-def init_model(model: Transformer, device: torch.device) -> None:
-    """Allocate this rank's shards on `device` and initialize them. Under one seed the global
-    weights are bitwise the same on every layout and world size (layout_invariant_init), so no
-    seed checkpoint is needed; no rank ever holds more than its shards."""
-    model.to_empty(device=device)
-    with layout_invariant_init():
-        model.init_weights(buffer_device=device)
-
-
 @dataclass(frozen=True)
 class Components:
     """Everything the loop drives; each stateful piece owns its state (`state_dict`) and the
@@ -191,82 +148,6 @@ class Components:
                 self.checkpointer.close()  # an async save in flight is committed before the job ends
         finally:
             self.metrics.close()
-
-
-def build_job_optimizer(cfg: JobConfig, model: nn.Module) -> torch.optim.Optimizer:
-    """The config's optimizer over `model`, with torchtitan's post-step hook: under float8 all-gathers with
-    `precompute_float8_dynamic_scale_for_fsdp`, every float8 weight's scale for the next step in one all-reduce."""
-    opt = cfg.optimizer
-    optimizer = build_optimizer(
-        model, name=opt.name, lr=opt.lr, eps=opt.eps, weight_decay=opt.weight_decay, betas=(opt.beta1, opt.beta2),
-        implementation=opt.implementation,
-    )  # fmt: skip
-    f8 = cfg.quantize.linear.float8
-    if cfg.model.converters and f8.enable_fsdp_float8_all_gather and f8.precompute_float8_dynamic_scale_for_fsdp:
-        parts = list(model.parts) if isinstance(model, PipelineParts) else [model]
-        optimizer.register_step_post_hook(lambda *_: precompute_all_gather_scales(parts))  # type: ignore[arg-type]
-    return optimizer
-
-
-def build_model_and_optimizer(
-    cfg: JobConfig, runtime: Runtime, vocab_size: int
-) -> tuple[nn.Module, torch.optim.Optimizer, LambdaLR]:
-    """The parallelized, initialized model, its optimizer and lr scheduler."""
-    model = build_parallel_model(cfg, runtime, vocab_size)
-    optimizer = build_job_optimizer(cfg, model)
-    sched = cfg.lr_scheduler
-    scheduler = build_lr_scheduler(
-        optimizer, warmup_steps=sched.warmup_steps, total_steps=cfg.training.steps, decay_ratio=sched.decay_ratio,
-        decay_type=sched.decay_type, min_lr_factor=sched.min_lr_factor,
-    )  # fmt: skip
-    return model, optimizer, scheduler
-
-
-def build_parallel_model(cfg: JobConfig, runtime: Runtime, vocab_size: int) -> nn.Module:
-    """The model parallelized (TP -> AC -> compile -> FSDP/DDP) and initialized; under pipeline parallelism
-    this rank's parts (`PipelineParts`, with their `Pipeline`), each initialized from the whole model's
-    random stream. One seed gives every layout the same global weights."""
-    whole = build_model(cfg, vocab_size)
-    pp = runtime.parallel_dims.pp_enabled
-    parts, stage_ids = [whole], [0]
-    if pp:
-        pp_mesh = runtime.world_mesh["pp"]
-        parts, stage_ids = split_for_rank(cfg, whole, pp_mesh.get_local_rank(), pp_mesh.size())
-    mp_policy = MixedPrecisionPolicy(param_dtype=runtime.precision.param, reduce_dtype=runtime.precision.reduce)
-    ac, p = cfg.activation_checkpoint, cfg.parallelism
-    # torchtitan's "default": reshard after forward, except under PP (each microbatch would gather again)
-    reshard = p.fsdp_reshard_after_forward == "always" or (p.fsdp_reshard_after_forward == "default" and not pp)
-    for part in parts:
-        parallelize_llama(
-            part, runtime.parallel_dims, runtime.world_mesh, loss_parallel=runtime.loss_parallel,
-            ac_mode=cast(ACMode, ac.mode),
-            ac_selective_option=ac.selective_ac_option, ac_early_stop=ac.early_stop, mp_policy=mp_policy,
-            reshard_after_forward=reshard,
-            compile_backend=cfg.compile.backend if cfg.compile.enable and "model" in cfg.compile.components else None,
-            cp_rotate_method=p.context_parallel_rotate_method,
-        )  # fmt: skip
-        # identical on every rank (run_job resolved a None seed): the init fills stay in step
-        torch.manual_seed(cast(int, cfg.training.seed))
-        init_model(part, runtime.device)
-        if cfg.training.dtype == "bfloat16":  # torchtitan's training.dtype: no float32 master weights at all
-            part.to(torch.bfloat16)
-    return assemble_pipeline(cfg, runtime, whole, parts, stage_ids) if pp else whole
-
-
-def assemble_pipeline(
-    cfg: JobConfig, runtime: Runtime, whole: Transformer, parts: list[Transformer], stage_ids: list[int]
-) -> PipelineParts:
-    """This rank's parallelized, allocated parts as one model, with their stages and schedule (`.pipeline`)."""
-    p = cfg.parallelism
-    model = PipelineParts(parts, whole)
-    pp_mesh = runtime.world_mesh["pp"]
-    stages = build_stages(cfg, whole, parts, stage_ids, pp_mesh, runtime.device)
-    micro = cfg.training.local_batch_size // p.pipeline_parallel_microbatch_size
-    tie_group = build_tie_group(runtime.world_mesh, whole.model_args.tie_word_embeddings, schedule_spec(cfg).placement)
-    model.__dict__["pipeline"] = Pipeline(
-        model, stages, schedule_spec(cfg), micro, pp_mesh.get_group(), tie_group=tie_group
-    )
-    return model
 
 
 def build_components(cfg: JobConfig, runtime: Runtime) -> Components:
@@ -548,10 +429,10 @@ def teardown(device: torch.device, *, owns_group: bool) -> None:
 
 @record  # torchrun's error file for errors before the world exists (after it, report_failure writes it)
 def main(argv: list[str] | None = None) -> int:
-    from .failure import claim_agent_died
-    from .host_memory import keep_freed_host_memory
-    from .lifeline import watch_agent
-    from .nodes import locate_rank_zero
+    from .process.failure import claim_agent_died
+    from .process.host_memory import keep_freed_host_memory
+    from .process.lifeline import watch_agent
+    from .process.nodes import locate_rank_zero
 
     watch_agent(on_lost=claim_agent_died)  # first: an orphan (its agent killed) must stop, even mid-rendezvous
     cfg = load_config(sys.argv[1:] if argv is None else argv)

@@ -40,7 +40,7 @@ from .data import (
     load_tokens,
     local_documents,
 )
-from .loss import IGNORE_INDEX, token_loss_sum
+from .token_loss import IGNORE_INDEX, token_loss_sum
 from .tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)

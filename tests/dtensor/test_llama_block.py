@@ -18,9 +18,15 @@ ROWWISE = ("wo", "w2")
 def _params(seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     shapes = {
-        "attention_norm": (DIM,), "ffn_norm": (DIM,),
-        "wq": (N_HEADS * HEAD_DIM, DIM), "wk": (N_KV_HEADS * HEAD_DIM, DIM), "wv": (N_KV_HEADS * HEAD_DIM, DIM),
-        "wo": (DIM, N_HEADS * HEAD_DIM), "w1": (FFN, DIM), "w3": (FFN, DIM), "w2": (DIM, FFN),
+        "attention_norm": (DIM,),
+        "ffn_norm": (DIM,),
+        "wq": (N_HEADS * HEAD_DIM, DIM),
+        "wk": (N_KV_HEADS * HEAD_DIM, DIM),
+        "wv": (N_KV_HEADS * HEAD_DIM, DIM),
+        "wo": (DIM, N_HEADS * HEAD_DIM),
+        "w1": (FFN, DIM),
+        "w3": (FFN, DIM),
+        "w2": (DIM, FFN),
     }
     return {k: (torch.randn(s, generator=g) * 0.1 + (1.0 if "norm" in k else 0.0)) for k, s in shapes.items()}
 

@@ -21,10 +21,39 @@ from tests.world import run_world
 
 BASELINE = Path(__file__).with_name("opinfo_baseline.json")
 SAMPLES_PER_OP = 2
-SKIP_WORDS = ("rand", "dropout", "bernoulli", "normal", "multinomial", "uniform", "poisson", "empty", "cauchy",
-              "exponential", "geometric", "log_normal", "sparse", "jiterator", "nonzero_static", "svd", "eig", "lu",
-              "lstsq", "qr", "cholesky", "pinv", "solve", "inv", "fft", "histogram", "unique", "bincount",
-              "masked_select", "nonzero", "item")
+SKIP_WORDS = (
+    "rand",
+    "dropout",
+    "bernoulli",
+    "normal",
+    "multinomial",
+    "uniform",
+    "poisson",
+    "empty",
+    "cauchy",
+    "exponential",
+    "geometric",
+    "log_normal",
+    "sparse",
+    "jiterator",
+    "nonzero_static",
+    "svd",
+    "eig",
+    "lu",
+    "lstsq",
+    "qr",
+    "cholesky",
+    "pinv",
+    "solve",
+    "inv",
+    "fft",
+    "histogram",
+    "unique",
+    "bincount",
+    "masked_select",
+    "nonzero",
+    "item",
+)
 
 
 def _agree(ok: bool) -> bool:

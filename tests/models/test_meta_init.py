@@ -32,7 +32,7 @@ LAYOUTS = {  # name: (world, dp_replicate, dp_shard, tp)
 
 
 def _digests(layout: str) -> dict[str, object]:
-    from trainer.train import init_model
+    from trainer.build import init_model
 
     world, dp_replicate, dp_shard, tp = LAYOUTS[layout]
     dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=1, tp=tp, pp=1, world_size=world)

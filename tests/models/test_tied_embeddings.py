@@ -25,7 +25,7 @@ LAYOUTS = {"one": (1, 1, 1), "fsdp2": (2, 2, 1), "tp2": (2, 1, 2), "fsdp2_tp2": 
 
 
 def _train(layout: str) -> dict[str, object]:
-    from trainer.train import init_model
+    from trainer.build import init_model
 
     world, dp_shard, tp = LAYOUTS[layout]
     dims = ParallelDims(dp_replicate=1, dp_shard=dp_shard, cp=1, tp=tp, pp=1, world_size=world)

@@ -78,7 +78,7 @@ def _run_mlp(tp: int) -> dict:
     ref(x).pow(2).sum().backward()
     counts = {}
     for name, model in models.items():
-        with (CommDebugMode() if name == "ours" else TorchCommDebugMode()) as cm:
+        with CommDebugMode() if name == "ours" else TorchCommDebugMode() as cm:
             out = model(x)
             out.pow(2).sum().backward()
         counts[name] = cm.get_total_counts()
@@ -110,8 +110,10 @@ def _run_sequence_parallel(tp: int) -> dict:
     ref_out = ref(idx)
     ref_out.pow(2).mean().backward()
     counts = {}
-    for name, impl, mesh, R, S in (("ours", ours, get_mesh((tp,)), Replicate, Shard),
-                                   ("torch", torch_tp, get_torch_mesh((tp,)), TR, TS)):
+    for name, impl, mesh, R, S in (
+        ("ours", ours, get_mesh((tp,)), Replicate, Shard),
+        ("torch", torch_tp, get_torch_mesh((tp,)), TR, TS),
+    ):
         torch.manual_seed(0)
         model = impl.parallelize_module(Tiny(), mesh, _sp_plan(impl, R, S))
         with CommDebugMode() as cm:  # ours counts any collective, so both are measured alike

@@ -18,10 +18,10 @@ from models.llama3.parallelize import parallelize_llama
 from parallelisms.dtensor import DTensor
 from parallelisms.parallel_dims import ParallelDims
 from tests.world import run_world
+from trainer.build import init_model
 from trainer.data import TokenBatches, accumulation_steps
-from trainer.loss import IGNORE_INDEX
 from trainer.step import NonfiniteWatch, global_target_count, reduce_loss, train_step
-from trainer.train import init_model
+from trainer.token_loss import IGNORE_INDEX
 
 ARGS = dataclasses.replace(llama3_configs["debugmodel"], dim=32, n_layers=2, n_heads=4, vocab_size=37, max_seq_len=8)
 GLOBAL, SEQ = 8, 8

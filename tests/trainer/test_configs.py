@@ -29,8 +29,9 @@ def build_on_meta(config: str, world_size: int) -> dict:
 
     from models.llama3.parallelize import parallelize_llama
     from parallelisms.dtensor import DTensor
+    from trainer.build import build_model
     from trainer.config import load_config
-    from trainer.train import build_model, build_parallel_dims
+    from trainer.preflight import build_parallel_dims
 
     cfg = load_config(["--job.config_file", str(REPO / "configs" / f"{config}.toml"), *_NO_TOKENIZER])
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)

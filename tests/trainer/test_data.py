@@ -338,7 +338,7 @@ def test_all_blank_documents_fail_at_the_first_fetch_naming_the_path(tmp_path: P
 
 
 def test_an_empty_file_names_the_key_and_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from trainer.data_files import resolve_data_files
+    from trainer.config.data_files import resolve_data_files
 
     empty = tmp_path / "empty.jsonl"
     empty.write_bytes(b"")

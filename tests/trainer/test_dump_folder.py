@@ -11,9 +11,12 @@ import pytest
 
 from tests.trainer.test_train import _SHORT_DEBUG_JOB, _train_rank
 from tests.world import WorldError, run_world
-from trainer.dump_folder import DumpFolderLock
+from trainer.process.dump_folder import DumpFolderLock
 
-_HOLD = "import sys; from trainer.dump_folder import DumpFolderLock as L; assert L(sys.argv[1]).try_acquire() is None"
+_HOLD = (
+    "import sys; from trainer.process.dump_folder import DumpFolderLock as L; "
+    "assert L(sys.argv[1]).try_acquire() is None"
+)
 
 
 def test_a_second_job_in_a_live_dump_folder_is_refused_on_every_rank(tmp_path: Path) -> None:

@@ -17,8 +17,8 @@ import pytest
 from tests.trainer.estimate_server import EstimateServer
 from tests.world import run_world
 from trainer.config import load_config
-from trainer.estimate_search import Layout, parameter_count
-from trainer.state_floor import state_bytes_lower_bound
+from trainer.config.state_floor import state_bytes_lower_bound
+from trainer.estimate.search import Layout, parameter_count
 
 REPO = Path(__file__).resolve().parents[2]
 CONTRACT = {
@@ -110,6 +110,24 @@ def test_sharded_param_grad_optimizer_bytes_equal_the_analytic_figures(config: s
     assert abs(steady["params"] - even) / even < 0.01  # params x bytes / (dp_shard x tp), up to uneven chunks
 
 
+SHIPPED_CONFIGS = {"debug_model": 2, "llama3_1b": 1, "llama3_8b": 8, "llama3_70b": 64, "llama3_405b": 512}  # their worlds
+
+
+def test_every_shipped_config_is_estimated_below() -> None:
+    assert {p.stem for p in (REPO / "configs").glob("*.toml")} == set(SHIPPED_CONFIGS)
+
+
+@pytest.mark.parametrize(("config", "world_size"), list(SHIPPED_CONFIGS.items()))
+def test_no_memory_category_of_any_role_is_negative_on_the_shipped_configs(config: str, world_size: int) -> None:
+    """405B's first pipeline stage once reported -1 GiB of gradients: its 1- and 2-block samples peaked at different
+    moments of the step, and the line through them crossed zero."""
+    report = estimate_json(config, world_size, device="h100")
+    for role in report["ranks"]:
+        negative = {k: v for k, v in role["memory_bytes"].items() if v < 0}
+        assert not negative, (role["role"], negative)
+        assert role["memory_bytes"]["peak"] == sum(v for k, v in role["memory_bytes"].items() if k != "peak")
+
+
 # ------------------------------------------------------------------------ against real gloo runs
 CP2 = ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.context_parallel_degree", "2"]
 PP2 = ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.pipeline_parallel_degree", "2"]
@@ -130,7 +148,7 @@ LAYOUTS = {  # name -> (world size, overrides)
     # reduce-scatter per stage and step, W's gradients reduced after the stage's last W
     "pp2_fsdp2_zbv": (4, ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "2",
                           "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]),
-    # 8 microbatches: the estimate traces two smaller counts the simulator picks (trainer/estimate_microbatches.py:
+    # 8 microbatches: the estimate traces two smaller counts the simulator picks (trainer/estimate/microbatches.py:
     # 1F1B 1 and 2, GPipe 2 and 3, Interleaved1F1B 1 and 4) and extrapolates; the real run traces all 8
     "pp2_1f1b_8mb": (2, [*PP2, "--training.local_batch_size", "8"]),
     "pp2_gpipe_8mb": (2, [*PP2, "--parallelism.pipeline_parallel_schedule", "GPipe",
@@ -146,9 +164,9 @@ def real_step(overrides: list[str]) -> dict[str, Any]:
     import torch.distributed as dist
 
     from trainer.config import load_config
-    from trainer.estimate_step import trace_pipeline_step, trace_step
+    from trainer.estimate.trace import trace_pipeline_step, trace_step
+    from trainer.preflight import build_parallel_dims
     from trainer.runtime import build_runtime
-    from trainer.train import build_parallel_dims
 
     cfg = load_config(["--job.config_file", str(REPO / "configs" / "debug_model.toml"), *overrides])
     dims = build_parallel_dims(cfg.parallelism, dist.get_world_size())
@@ -294,7 +312,7 @@ def test_search_ranks_fitting_layouts_best_first_with_their_overrides() -> None:
 
 def test_mesh_dims_are_priced_on_the_network_only_when_their_groups_span_nodes() -> None:
     from parallelisms.parallel_dims import ParallelDims
-    from trainer.estimate_time import dim_extent, spans_nodes
+    from trainer.estimate.pricing import dim_extent, spans_nodes
 
     dims = ParallelDims(dp_replicate=2, dp_shard=32, cp=1, tp=8, pp=1, world_size=512)
     assert dim_extent(dims, "tp") == (8, 1) and dim_extent(dims, "dp_shard") == (32, 8)

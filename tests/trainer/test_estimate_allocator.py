@@ -1,8 +1,8 @@
-"""The CUDA caching allocator model (trainer/estimate_allocator.py): torch's rules, case by case."""
+"""The CUDA caching allocator model (trainer/estimate/allocator.py): torch's rules, case by case."""
 
 from __future__ import annotations
 
-from trainer.estimate_allocator import CachingAllocator, round_size, segment_size
+from trainer.estimate.allocator import CachingAllocator, round_size, segment_size
 
 MiB = 1 << 20
 

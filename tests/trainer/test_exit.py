@@ -82,6 +82,9 @@ def test_default_job_exits_cleanly_every_time(tmp_path: Path) -> None:
                 output = job.communicate()[0] + f"\n(killed after {RUN_TIMEOUT_S}s)"
             if job.returncode != 0 or STILL_REFERENCED in output or "terminate called" in output:
                 failures.append(f"run {i}: exit code {job.returncode}\n{output[-3000:]}")
+            logged = [line for line in output.splitlines() if " INFO trainer." in line]
+            if not logged or not all(line.startswith("[rank0] 20") for line in logged):  # one prefix, then the time
+                failures.append(f"run {i}: log lines not prefixed once with [rank0]: {logged[:3]}")
     assert not failures, (
         f"{len(failures)} of {RUNS} runs of ./run_train.sh did not exit cleanly "
         f"({time.monotonic() - start:.0f}s):\n" + "\n".join(failures)

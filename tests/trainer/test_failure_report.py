@@ -17,8 +17,8 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 
 from tests.trainer.test_processes import TRAIN_ARGS, Job, rank_of, wait_gone
 from tests.world import run_world
-from trainer.failure import claim_first_failure
 from trainer.launch import failure_summary, root_cause
+from trainer.process.failure import claim_first_failure
 
 REPO = Path(__file__).resolve().parents[2]
 

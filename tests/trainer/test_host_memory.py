@@ -1,4 +1,4 @@
-"""trainer.host_memory: after `keep_freed_host_memory()` glibc serves three 30 MiB tensors from its heap and
+"""trainer.process.host_memory: after `keep_freed_host_memory()` glibc serves three 30 MiB tensors from its heap and
 keeps them there after the free; with glibc's own settings they are mapped and unmapped, or (once its
 dynamic threshold has risen) trimmed off the heap's top on free. Both cases run in fresh interpreters (the
 setting is process-wide); a third checks that the trainer's `main` makes the setting on a CPU rank."""
@@ -46,7 +46,7 @@ def heap_probe() -> dict[str, int]:
 PROBE = """
 import json, sys
 from tests.trainer.test_host_memory import heap_probe
-from trainer.host_memory import keep_freed_host_memory
+from trainer.process.host_memory import keep_freed_host_memory
 kept = keep_freed_host_memory() if sys.argv[1] == "keep" else None
 print(json.dumps({"kept": kept, **heap_probe()}))
 """
@@ -85,7 +85,7 @@ def test_the_trainer_keeps_freed_host_memory_on_cpu(tmp_path: Path) -> None:
 
 
 def test_user_tunables_win(monkeypatch: pytest.MonkeyPatch) -> None:
-    from trainer.host_memory import keep_freed_host_memory
+    from trainer.process.host_memory import keep_freed_host_memory
 
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=0")
     assert keep_freed_host_memory() is False

@@ -148,10 +148,14 @@ def test_a_csv_schedule_trains_like_the_named_one(tmp_path: Path, one_process: l
             "fsdp_reshard_after_forward='always' with .*ZBVZeroBubble",
         ),  # fmt: skip
         (["--parallelism.pipeline_parallel_microbatch_size", "3"], "must be a multiple of"),
-        ([SCHEDULE, "DualPipeV", "--training.local_batch_size", "2"],
-         r"'DualPipeV' with 2 microbatches \(training.local_batch_size.*2 microbatches for 4 stages"),
-        ([SCHEDULE, "DualPipeV", "--validation.enable", "--validation.local_batch_size", "2"],
-         r"'DualPipeV' with 2 microbatches \(validation.local_batch_size.*2 microbatches for 4 stages"),
+        (
+            [SCHEDULE, "DualPipeV", "--training.local_batch_size", "2"],
+            r"'DualPipeV' with 2 microbatches \(training.local_batch_size.*2 microbatches for 4 stages",
+        ),
+        (
+            [SCHEDULE, "DualPipeV", "--validation.enable", "--validation.local_batch_size", "2"],
+            r"'DualPipeV' with 2 microbatches \(validation.local_batch_size.*2 microbatches for 4 stages",
+        ),
     ],
 )
 def test_what_pipelines_cannot_do_yet_is_refused_in_the_preflight(overrides: list[str], message: str) -> None:
@@ -199,7 +203,7 @@ def test_a_split_the_schedule_cannot_run_is_refused_in_the_preflight_with_the_ar
 
 
 def test_splits_the_schedule_runs_pass_the_preflight() -> None:
-    from trainer.pipeline_schedule import stages_per_rank
+    from trainer.config.pipeline_setup import resolve_pipeline
 
     for overrides, per_rank in (
         ([LAYERS_PER_STAGE, "2", SCHEDULE, "Interleaved1F1B"], 2),  # (6 + 2) / 2 = 4 stages
@@ -210,7 +214,7 @@ def test_splits_the_schedule_runs_pass_the_preflight() -> None:
     ):
         cfg = load_config([*JOB, "--training.global_batch_size", "-1", *PP2, *overrides])
         check_config(cfg, world_size=2)
-        assert stages_per_rank(cfg) == per_rank, overrides
+        assert resolve_pipeline(cfg).stages_per_rank == per_rank, overrides
 
 
 def _validate_rank(argv: list[str]) -> list[str]:

@@ -121,8 +121,8 @@ def test_a_model_whose_state_cannot_fit_host_memory_is_refused_before_launch() -
     """On CPU ranks the model's state (parameters, gradients, AdamW's moments: 16 bytes a float32 parameter,
     split over the ranks that shard it) must fit in the memory the kernel reports available; 8B on 2 ranks
     needs 60 GiB a rank, which would otherwise allocate for minutes and end in the OOM killer."""
+    from trainer.config.state_floor import GIB, check_host_memory
     from trainer.preflight import build_parallel_dims
-    from trainer.state_floor import GIB, check_host_memory
 
     eight_b = load_config(["--model.flavor", "8B", "--model.vocab_size", "128256"])
     with pytest.raises(ValueError, match=r"model.flavor='8B' does not fit this machine: its 8,030,261,248 "

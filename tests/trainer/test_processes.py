@@ -1,4 +1,4 @@
-"""The job's processes end the way a cluster ends them: a rank whose agent died stops (trainer.lifeline),
+"""The job's processes end the way a cluster ends them: a rank whose agent died stops (trainer.process.lifeline),
 a signal to the launcher stops the job with one line and 128+signal, an error of torchrun's own agent
 is one line, and run_train.sh counts GPUs without importing torch.
 
@@ -140,7 +140,7 @@ time.sleep(120)
 """
 _RANK = """
 import time
-from trainer.lifeline import watch_agent
+from trainer.process.lifeline import watch_agent
 watch_agent(on_lost=lambda: print("last word", flush=True))
 print("training", flush=True)
 time.sleep(120)

@@ -124,9 +124,10 @@ def _save_initial_weights(argv: list[str], directory: str) -> None:
     import torch.distributed as dist
 
     from checkpoint.stateful import ModelState
+    from trainer.build import build_model_and_optimizer
     from trainer.config import load_config
+    from trainer.preflight import build_parallel_dims
     from trainer.runtime import build_runtime
-    from trainer.train import build_model_and_optimizer, build_parallel_dims
 
     cfg = load_config(argv)
     dims = build_parallel_dims(cfg.parallelism, dist.get_world_size())
@@ -210,9 +211,10 @@ def _load_hf_rank(argv: list[str], hf_dir: str) -> dict[str, torch.Tensor]:
     from checkpoint.manager import CheckpointManager
     from checkpoint.stateful import ModelState
     from parallelisms.dtensor import DTensor
+    from trainer.build import build_model_and_optimizer
     from trainer.config import load_config
+    from trainer.preflight import build_parallel_dims
     from trainer.runtime import build_runtime
-    from trainer.train import build_model_and_optimizer, build_parallel_dims
 
     cfg = load_config(argv)
     dims = build_parallel_dims(cfg.parallelism, torch.distributed.get_world_size())

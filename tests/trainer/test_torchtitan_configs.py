@@ -15,7 +15,7 @@ import pytest
 
 from tests.trainer.test_tokenizer import write_tiny_tokenizer
 from trainer.config import _resolve, load_config
-from trainer.job_config import JobConfig
+from trainer.config.sections import JobConfig
 from trainer.preflight import check_config
 
 REPO = Path(__file__).resolve().parents[2]

@@ -13,8 +13,8 @@ import torch
 from parallelisms.activation_checkpoint import apply_ac
 from tests.trainer.test_train import _train_rank
 from tests.world import run_world
-from trainer.garbage import GarbageCollection
 from trainer.lr_schedule import lr_factor
+from trainer.process.garbage import GarbageCollection
 
 REPO = Path(__file__).resolve().parents[2]
 SHORT = ["--job.config_file", str(REPO / "configs" / "debug_model.toml"), "--training.seq_len", "64"]
@@ -24,9 +24,10 @@ def _built(argv: list[str]) -> dict:
     """On each rank: the model, optimizer and scheduler the trainer builds for `argv`, described."""
     import torch.distributed as dist
 
+    from trainer.build import build_model_and_optimizer
     from trainer.config import load_config
+    from trainer.preflight import build_parallel_dims
     from trainer.runtime import build_runtime
-    from trainer.train import build_model_and_optimizer, build_parallel_dims
 
     cfg = load_config(argv)
     dims = build_parallel_dims(cfg.parallelism, dist.get_world_size())

@@ -1,15 +1,61 @@
-"""The job's pipeline schedule and how many stages each rank holds (torch-free, so the pre-flight reads them
-too): the named schedule (`parallelism.pipeline_parallel_schedule`) or, when set, the CSV file's
-(`pipeline_parallel_schedule_csv`, which wins, as in torchtitan)."""
+"""The job's pipeline, resolved once from the config into a frozen `PipelineSetup` (torch-free, so the pre-flight
+resolves it the same way the trainer and the dry run do): the schedule, the named one
+(`parallelism.pipeline_parallel_schedule`) or, when set, the CSV file's (`pipeline_parallel_schedule_csv`, which
+wins, as in torchtitan); the stages each rank holds; each stage's modules; the microbatches; the boundary shape."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
+from models.llama3.args import llama3_configs
 from models.llama3.stage_split import check_module_fqns, module_fqns_per_stage
-from parallelisms.pipeline_parallel import ScheduleSpec, StagePlacement, csv_schedule_spec, get_schedule
+from parallelisms.pipeline_parallel import ScheduleSpec, StagePlacement, csv_schedule_spec, get_schedule, stage_to_rank
 
-from .job_config import JobConfig
+from .sections import JobConfig
+
+
+@dataclass(frozen=True)
+class PipelineSetup:
+    """What every pipeline component reads, resolved once (`resolve_pipeline`) and held by the runtime record."""
+
+    schedule: ScheduleSpec
+    pp: int
+    stages_per_rank: int
+    stage_fqns: tuple[tuple[str, ...], ...]  # the modules of each stage, in stage order
+    microbatch_size: int
+    microbatches: int  # pipeline microbatches per accumulation micro-batch: local_batch_size / microbatch_size
+    boundary_shape: tuple[int, int, int]  # (mb, T/(cp tp), D): what a stage sends the next
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.stages_per_rank
+
+    def stage_to_rank(self) -> dict[int, int]:
+        """Stage index -> pp rank, by the schedule's placement (looped or V)."""
+        return stage_to_rank(self.pp, self.stages_per_rank, self.schedule.placement)
+
+    def stages_of(self, pp_rank: int) -> list[int]:
+        """The stages `pp_rank` holds, in stage order."""
+        return [s for s, r in self.stage_to_rank().items() if r == pp_rank]
+
+
+def resolve_pipeline(cfg: JobConfig, *, n_layers: int | None = None) -> PipelineSetup:
+    """The job's pipeline (a CSV schedule's file read once, here), checked: raises ValueError with the keys and
+    the arithmetic where the stages do not suit the schedule or the split. `n_layers`: the model's blocks, when
+    they are not the flavor's (the dry run's sampled traces)."""
+    p, training = cfg.parallelism, cfg.training
+    args = llama3_configs[cfg.model.flavor]
+    spec = schedule_spec(cfg)
+    per_rank = stages_per_rank(cfg, spec)
+    pp, mb = p.pipeline_parallel_degree, p.pipeline_parallel_microbatch_size
+    fqns = stage_fqns(cfg, pp * per_rank, args.n_layers if n_layers is None else n_layers)
+    # context parallelism: each cp rank holds T/cp tokens; sequence parallelism: each TP rank sends T/(cp tp)
+    share = p.tensor_parallel_degree * p.context_parallel_degree
+    return PipelineSetup(
+        schedule=spec, pp=pp, stages_per_rank=per_rank, stage_fqns=tuple(tuple(f) for f in fqns), microbatch_size=mb,
+        microbatches=training.local_batch_size // max(mb, 1), boundary_shape=(mb, training.seq_len // share, args.dim),
+    )  # fmt: skip
 
 
 def schedule_spec(cfg: JobConfig) -> ScheduleSpec:
@@ -71,8 +117,6 @@ def stages_per_rank(cfg: JobConfig, spec: ScheduleSpec | None = None) -> int:
 
 def _configured_stages(cfg: JobConfig) -> tuple[int, str] | None:
     """(stages, how the config says so) when it sets them: the explicit parts, or the layers per stage."""
-    from models.llama3.args import llama3_configs  # dataclasses only, no torch
-
     p = cfg.parallelism
     if p.module_fqns_per_model_part:
         n = len(p.module_fqns_per_model_part)

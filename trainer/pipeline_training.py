@@ -33,10 +33,9 @@ from parallelisms.pipeline_parallel.stage import BoundaryMeta, PipelineStage
 from parallelisms.tensor_parallel import loss_parallel
 from parallelisms.tensor_parallel.partial_grads import reduce_partial_grads
 
-from .job_config import JobConfig
-from .loss import IGNORE_INDEX
-from .pipeline_schedule import schedule_spec, stage_fqns, stages_per_rank
+from .config.pipeline_setup import PipelineSetup
 from .step import MicroBatches, StepResult
+from .token_loss import IGNORE_INDEX
 
 # The last stage's copy of a tied embedding (1B flavor) is saved and stepped under the embedding's name.
 _TIED_NAMES = {"output.weight": "tok_embeddings.weight"}
@@ -89,7 +88,7 @@ class PipelineParts(nn.Module):
             local_tensor(pair[1]).copy_(local_tensor(pair[0]))
 
     def forward(self, *args: object) -> None:
-        raise RuntimeError("a pipelined model runs through its schedule (trainer/pipeline.py), not forward()")
+        raise RuntimeError("a pipelined model runs through its schedule (trainer/pipeline_training.py), not forward()")
 
 
 @dataclass
@@ -116,19 +115,13 @@ class Pipeline:
 
 
 def build_stages(
-    cfg: JobConfig, whole: Transformer, parts: list[Transformer], stage_indices: list[int], pp_mesh: DeviceMesh,
-    device: torch.device,
+    setup: PipelineSetup, parts: list[Transformer], stage_indices: list[int], pp_mesh: DeviceMesh,
+    device: torch.device, boundary_dtype: torch.dtype,
 ) -> list[PipelineStage]:  # fmt: skip
-    """The stages of this rank's parts; boundary activations are (microbatch, seq_len, dim) in the
-    parameters' compute dtype (float32 on the CPU)."""
-    pp = pp_mesh.size()
-    num_stages = pp * len(parts)
-    mapping = stage_to_rank(pp, len(parts), schedule_spec(cfg).placement)
-    bf16 = device.type == "cuda" and cfg.training.mixed_precision_param == "bfloat16"
-    # context parallelism: each cp rank holds T/cp tokens; sequence parallelism: each TP rank sends T/(cp tp)
-    share = cfg.parallelism.tensor_parallel_degree * cfg.parallelism.context_parallel_degree
-    shape = (cfg.parallelism.pipeline_parallel_microbatch_size, cfg.training.seq_len // share, whole.model_args.dim)
-    meta = BoundaryMeta(shape, torch.bfloat16 if bf16 else torch.float32)  # (mb, T/(cp tp), D)
+    """The stages of this rank's parts; boundary activations are `setup.boundary_shape`, (mb, T/(cp tp), D), in
+    `boundary_dtype` (the parameters' compute dtype)."""
+    num_stages, mapping = setup.num_stages, setup.stage_to_rank()
+    meta = BoundaryMeta(setup.boundary_shape, boundary_dtype)
     return [
         PipelineStage(part, s, num_stages, pp_mesh.get_group(), mapping, device,
                       input_meta=None if s == 0 else meta, output_meta=None if s == num_stages - 1 else meta)
@@ -136,14 +129,10 @@ def build_stages(
     ]  # fmt: skip
 
 
-def split_for_rank(cfg: JobConfig, whole: Transformer, pp_rank: int, pp: int) -> tuple[list[Transformer], list[int]]:
+def split_for_rank(setup: PipelineSetup, whole: Transformer, pp_rank: int) -> tuple[list[Transformer], list[int]]:
     """This rank's parts (of the meta `whole`) and their stage indices."""
-    per_rank = stages_per_rank(cfg)
-    num_stages = pp * per_rank
-    fqns = stage_fqns(cfg, num_stages, whole.model_args.n_layers)
-    placement = schedule_spec(cfg).placement
-    mine = [s for s, r in stage_to_rank(pp, per_rank, placement).items() if r == pp_rank]
-    return [split_model(whole, fqns[s]) for s in mine], mine
+    mine = setup.stages_of(pp_rank)
+    return [split_model(whole, list(setup.stage_fqns[s])) for s in mine], mine
 
 
 def pipeline_train_step(

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Protocol
 
-from .job_config import JobConfig
+from .sections import JobConfig
 
 GIB = 2**30
 

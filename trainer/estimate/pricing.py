@@ -1,7 +1,7 @@
 """The step-time model: compute at the device's efficiency plus the exposed part of each mesh dim's traffic.
 
     step_s  = compute_s + sum over mesh dims of exposed_s(dim)
-    compute_s = (executed FLOPs - float8 FLOPs) / (peak x efficiency)                 (trainer.devices)
+    compute_s = (executed FLOPs - float8 FLOPs) / (peak x efficiency)                 (trainer.estimate.devices)
               + float8 FLOPs / (float8 peak x efficiency)         (model.converters = ["float8"])
     comm_s(dim) = sum over its collectives of count x α + bytes sent / β               (α–β, as dtensor.cost)
 
@@ -36,10 +36,11 @@ import math
 from dataclasses import dataclass
 
 from parallelisms.parallel_dims import FLATTENED, MESH_ORDER, ParallelDims
-from parallelisms.pipeline_parallel import Costs, ScheduleSpec, simulate
+from parallelisms.pipeline_parallel import Costs, simulate
 
+from ..config.pipeline_setup import PipelineSetup
 from .devices import Device
-from .estimate_step import Collective, StepTrace
+from .trace import Collective, StepTrace
 
 FLOAT8_CAST_BYTES = {"eager": 12.2, "compiled": 5.0}  # per element cast (module docstring)
 OVERLAPPED = frozenset({"dp_replicate", "dp_shard", *FLATTENED})  # data-parallel dims: hidden behind compute
@@ -127,7 +128,7 @@ def price_step(
     return StepTime(compute_s, comm, exposed, inter, compute_s + bubble_s + sum(exposed.values()), bubble_s)
 
 
-def pipeline_stretch(spec: ScheduleSpec, pp: int, stages_per_rank: int, microbatches: int) -> float:
+def pipeline_stretch(setup: PipelineSetup) -> float:
     """The makespan of the schedule over the busiest rank's compute (F = 1, B = 2, or I = W = 1), simulated."""
-    result = simulate(spec.generate(pp, stages_per_rank, microbatches), Costs())
+    result = simulate(setup.schedule.generate(setup.pp, setup.stages_per_rank, setup.microbatches), Costs())
     return result.makespan / max(result.busy.values())

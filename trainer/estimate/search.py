@@ -7,7 +7,7 @@ plain FSDP, between them HSDP), activation checkpointing none / selective / full
 the job's global batch (training.global_batch_size, or the config's local batch x its dp degree): every
 local batch dividing it, largest first, stopping at the first that fits in the device memory less the
 margin (a smaller one only re-gathers FSDP's parameters more often). Each candidate is one
-`trainer.estimate.estimate`; the fitting ones are ranked by tok/s per device. A layout whose model state
+`trainer.estimate.dry_run.estimate`; the fitting ones are ranked by tok/s per device. A layout whose model state
 alone cannot fit is dropped before any estimate, and the layouts are estimated on one process per core.
 
 The pipeline microbatch stays the config's (pipeline_parallel_microbatch_size): under this model a larger
@@ -26,15 +26,13 @@ from dataclasses import dataclass
 
 from models.llama3 import llama3_configs
 
-from . import state_floor
-from .config import load_config
+from ..config import load_config, state_floor
+from ..config.sections import JobConfig
+from ..config.state_floor import state_bytes_lower_bound
+from ..preflight import build_parallel_dims, check_names
 from .devices import GIB, Device, gpus_per_node
-from .estimate import LOG_FORMAT, Estimate, estimate
-from .estimate_step import job_vocab_size
-from .job_config import JobConfig
-from .preflight import check_names
-from .state_floor import state_bytes_lower_bound
-from .train import build_parallel_dims
+from .dry_run import LOG_FORMAT, Estimate, estimate
+from .trace import job_vocab_size
 
 logger = logging.getLogger(__name__)
 AC_MODES = ("none", "selective", "full")
@@ -228,13 +226,3 @@ def _estimate(
         return None
     logger.info("%s: peak %.1f GiB", " ".join(overrides), result.peak_bytes / GIB)
     return result
-
-
-def format_candidates(found: list[tuple[Estimate, list[str]]], cfg: JobConfig, *, margin: float) -> str:
-    if not found:
-        return f"no layout of {cfg.model.flavor} fits in the device memory with a {margin:.0%} margin"
-    lines = [f"{'tok/s/dev':>10}{'mfu':>7}{'step s':>8}{'peak GiB':>10}  overrides"]
-    for e, overrides in found:
-        lines.append(f"{e.tokens_per_s_per_device:>10,.0f}{e.mfu:>7.1%}{e.time.step_s:>8.2f}"
-                     f"{e.peak_bytes / GIB:>10.1f}  {' '.join(overrides)}")  # fmt: skip
-    return "\n".join(lines)

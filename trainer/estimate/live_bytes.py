@@ -33,7 +33,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop, sdpa_flo
 
 from parallelisms.dtensor.debug import _COLLECTIVES, _defers_to_subclass
 
-from .estimate_allocator import CachingAllocator
+from .allocator import CachingAllocator
 
 CATEGORIES = (
     "params", "grads", "optimizer", "params_unsharded", "activations", "comm_buffers", "temporaries",

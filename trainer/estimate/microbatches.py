@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from parallelisms.pipeline_parallel import ScheduleSpec, stage_to_rank
 from parallelisms.pipeline_parallel.actions import ActionKind
 
+from ..config.pipeline_setup import PipelineSetup
+
 
 @dataclass(frozen=True)
 class MicrobatchSamples:
@@ -28,11 +30,10 @@ class MicrobatchSamples:
     peak_from_large: bool  # the rank's in-flight activations at `large` are those at the real count
 
 
-def microbatch_samples(
-    spec: ScheduleSpec, pp: int, stages_per_rank: int, m: int, rank: int
-) -> MicrobatchSamples | None:
-    """The cheapest pair (fewest microbatches traced, fewer than m) whose traces give rank `rank`'s trace at m
-    microbatches; None when no pair is cheaper than tracing m (or the schedule takes no other count)."""
+def microbatch_samples(setup: PipelineSetup, rank: int) -> MicrobatchSamples | None:
+    """The cheapest pair (fewest microbatches traced, fewer than the setup's m) whose traces give rank `rank`'s
+    trace at m microbatches; None when no pair is cheaper than tracing m (or the schedule takes no other count)."""
+    spec, pp, stages_per_rank, m = setup.schedule, setup.pp, setup.stages_per_rank, setup.microbatches
     in_flight = functools.cache(lambda k: _in_flight(spec, pp, stages_per_rank, k, rank))
     target = in_flight(m)
     if target is None:

@@ -1,6 +1,6 @@
 """`--help`: every section and key of the job config with its type, default and one-line doc.
 
-The docs are the string literals under each field in `trainer/job_config.py` (attribute docstrings, which
+The docs are the string literals under each field in `trainer/config/sections.py` (attribute docstrings, which
 Python does not keep at run time), read from its source with `ast`, so the help and the code never differ.
 """
 
@@ -14,8 +14,8 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from . import job_config
-from .job_config import JobConfig
+from . import sections
+from .sections import JobConfig
 
 USAGE = """usage: ./run_train.sh [--section.key value ...]    (or python -m trainer.train ...)
 
@@ -26,8 +26,8 @@ Environment of run_train.sh: NGPU, CONFIG_FILE, LOG_RANK, NNODES, NODE_RANK, RDZ
 
 
 def field_docs() -> dict[tuple[str, str], str]:
-    """{(class name, field name): its docstring's first sentence-line}, from job_config.py's source."""
-    tree = ast.parse(Path(job_config.__file__).read_text(encoding="utf-8"))
+    """{(class name, field name): its docstring's first sentence-line}, from sections.py's source."""
+    tree = ast.parse(Path(sections.__file__).read_text(encoding="utf-8"))
     docs: dict[tuple[str, str], str] = {}
     for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
         for stmt, after in zip(cls.body, cls.body[1:]):

@@ -1,6 +1,6 @@
 """Loading the job's configuration: dataclass defaults < TOML file < `--section.key value`.
 
-The sections and keys are `trainer/job_config.py`'s (torchtitan v0.2.0's, so its TOML files load unchanged;
+The sections and keys are `trainer/config/sections.py`'s (torchtitan v0.2.0's, so its TOML files load unchanged;
 nested sections such as `[quantize.linear.float8]` too). Only `trainer/train.py` sees the whole `JobConfig`;
 every component gets its own section or explicit arguments. Values are parsed from the fields' types; every
 unknown key or bad value of a job is reported at once, each with a did-you-mean. `--help` lists every key.
@@ -18,22 +18,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from .job_config import (  # noqa: F401  (re-exported: components import their section from here)
-    ActivationCheckpoint,
-    Checkpoint,
-    Comm,
-    Compile,
-    Job,
-    JobConfig,
-    LRScheduler,
-    Metrics,
-    Model,
-    Optimizer,
-    Parallelism,
-    Profiling,
-    Training,
-    Validation,
-)
+from .sections import JobConfig
 
 
 # ------------------------------------------------------------------------------------ parsing
@@ -173,7 +158,7 @@ def load_config(argv: list[str] | None = None) -> JobConfig:
     Every unknown key and bad value is reported in one error; `--help` prints the keys and exits."""
     argv = list(argv or [])
     if "--help" in argv or "-h" in argv:
-        from .config_help import print_help
+        from .help_text import print_help
 
         print_help()
         raise SystemExit(0)

@@ -33,20 +33,19 @@ from parallelisms.dtensor import DeviceMesh, DTensor
 from parallelisms.dtensor.debug import CommDebugMode, _defers_to_subclass, counted_collective
 from parallelisms.fsdp import MixedPrecisionPolicy
 from parallelisms.parallel_dims import FLATTENED
-from parallelisms.pipeline_parallel import stage_to_rank
 
-from .config import load_config
-from .data_files import accumulation_steps
-from .estimate_memory import LiveBytes, MemoryReport, track_live_bytes
-from .estimate_microbatches import microbatch_samples
-from .job_config import JobConfig
-from .metrics import flops_per_token
-from .pipeline import pipeline_train_step, split_for_rank
-from .pipeline_schedule import schedule_spec, stage_fqns, stages_per_rank
-from .runtime import Runtime
-from .step import MicroBatches, global_target_count, train_step
-from .tokenizer import build_model_tokenizer, model_vocab_size
-from .train import assemble_pipeline, build_job_optimizer, build_model, init_model
+from ..build import assemble_pipeline, build_job_optimizer, build_model, init_model
+from ..config import load_config
+from ..config.data_files import accumulation_steps
+from ..config.pipeline_setup import PipelineSetup, resolve_pipeline
+from ..config.sections import JobConfig
+from ..metrics import flops_per_token
+from ..pipeline_training import pipeline_train_step, split_for_rank
+from ..runtime import Runtime
+from ..step import MicroBatches, global_target_count, train_step
+from ..tokenizer import build_model_tokenizer, model_vocab_size
+from .live_bytes import LiveBytes, MemoryReport, track_live_bytes
+from .microbatches import microbatch_samples
 
 
 @dataclass(frozen=True)
@@ -306,12 +305,15 @@ def trace_pipeline_step(
     `trace_step_sampled`)."""
     n_layers = None
     if blocks_per_stage is not None:
-        cfg = _with_blocks_per_stage(cfg, blocks_per_stage)
+        assert runtime.pipeline is not None, "a pipeline step's runtime holds its pipeline setup"
+        cfg = _with_blocks_per_stage(cfg, runtime.pipeline, blocks_per_stage)
         n_layers = blocks_per_stage * len(cfg.parallelism.module_fqns_per_model_part or ())
+        runtime = _with_setup_of(cfg, runtime, n_layers=n_layers)
+    assert runtime.pipeline is not None, "a pipeline step's runtime holds its pipeline setup"
     vocab, n_micro, whole, fpt = _step_setup(cfg, runtime, vocab_size, n_layers=n_layers)
     training = cfg.training
     pp_mesh = runtime.world_mesh["pp"]
-    parts, stage_ids = split_for_rank(cfg, whole, pp_mesh.get_local_rank(), pp_mesh.size())
+    parts, stage_ids = split_for_rank(runtime.pipeline, whole, pp_mesh.get_local_rank())
     for part in parts:
         _parallelize(cfg, runtime, part)
     comm = MeshCommDebugMode(group_names(runtime.world_mesh))
@@ -393,6 +395,7 @@ def _affine_trace(small: StepTrace, large: StepTrace, k1: int, k2: int, n: int) 
         return {k: _affine(a.get(k, 0), b[k], k1, k2, n) for k in b}
 
     at_peak = line(small.memory.at_peak, large.memory.at_peak)
+    assert all(v >= 0 for v in at_peak.values()), f"a negative memory category on the line: {at_peak}"
     peak = sum(at_peak.values())
     # the allocator's cache over the live peak is taken from `large` (it barely moves between samples: 8B FSDP 8
     # 6.78 GiB at 2 blocks, 6.80 at 4), not put on a line, which can fall under the live peak (70B FSDP 32 x TP 8:
@@ -430,15 +433,39 @@ def extrapolate(small: StepTrace, large: StepTrace, n_layers: int) -> StepTrace:
 SAMPLED_LAYERS = (2, 4)  # blocks traced when sampling: even counts keep every-other-layer AC's pattern
 
 
-def _stage_split(cfg: JobConfig) -> list[list[str]]:
-    return stage_fqns(cfg, cfg.parallelism.pipeline_parallel_degree * stages_per_rank(cfg),
-                      llama3_configs[cfg.model.flavor].n_layers)  # fmt: skip
+def _same_moment(small: StepTrace, large: StepTrace) -> bool:
+    """Whether two traces of a stack of identical blocks peak at the same moment of the step: there each category
+    holds at least as much with more blocks. (A category that shrinks says the peak moved: 405B's first pipeline
+    stage peaks in its last backward with gradients at 1 block per stage, before any at 2.)"""
+    return all(large.memory.at_peak[c] >= small.memory.at_peak.get(c, 0) for c in large.memory.at_peak)
 
 
-def _with_blocks_per_stage(cfg: JobConfig, k: int) -> JobConfig:
+def _blocks_on_a_line(
+    trace_at: Callable[[int], StepTrace], k1: int, dk: int, n_layers: int, whole: Callable[[], StepTrace]
+) -> StepTrace:
+    """The trace of `n_layers` blocks from the line through two traces (`trace_at(k)`: k blocks, or k per stage)
+    that peak at the same moment of the step, where every category is affine in the blocks. While two do not, the
+    next count is traced (k + dk); `whole` traces every block once a count reaches the model's."""
+    small, k = trace_at(k1), k1 + dk
+    while True:
+        large = trace_at(k)
+        if large.n_layers >= n_layers:
+            return whole()
+        if _same_moment(small, large):
+            return extrapolate(small, large, n_layers)
+        small, k = large, k + dk
+
+
+def _with_setup_of(cfg: JobConfig, runtime: Runtime, *, n_layers: int | None = None) -> Runtime:
+    """`runtime` with the pipeline setup of `cfg`, a variant of the job's config that the dry run traces (fewer
+    blocks or microbatches), resolved once for it as the trainer resolves the job's."""
+    return dataclasses.replace(runtime, pipeline=resolve_pipeline(cfg, n_layers=n_layers))
+
+
+def _with_blocks_per_stage(cfg: JobConfig, setup: PipelineSetup, k: int) -> JobConfig:
     """`cfg` with an explicit split giving every stage k blocks (numbered stage by stage) and its other modules."""
     split = []
-    for s, fqns in enumerate(_stage_split(cfg)):
+    for s, fqns in enumerate(setup.stage_fqns):
         blocks = [f"layers.{s * k + i}" for i in range(k)]  # in forward order: embedding, blocks, norm, output
         split.append([f for f in fqns if f == "tok_embeddings"] + blocks + [f for f in fqns if f in ("norm", "output")])
     parallelism = dataclasses.replace(cfg.parallelism, module_fqns_per_model_part=split)
@@ -446,24 +473,28 @@ def _with_blocks_per_stage(cfg: JobConfig, k: int) -> JobConfig:
 
 
 def _sampled_blocks(cfg: JobConfig, runtime: Runtime, fake: bool, blocks: int) -> StepTrace:
-    small = trace_pipeline_step(cfg, runtime, fake=fake, blocks_per_stage=1)
-    large = trace_pipeline_step(cfg, runtime, fake=fake, blocks_per_stage=2)
-    return extrapolate(small, large, blocks)
+    """This rank's stages traced at 1 and 2 blocks each (more while their peaks differ), on a line to `blocks`."""
+    return _blocks_on_a_line(
+        lambda k: trace_pipeline_step(cfg, runtime, fake=fake, blocks_per_stage=k), 1, 1, blocks,
+        lambda: trace_pipeline_step(cfg, runtime, fake=fake),
+    )  # fmt: skip
 
 
-def _sampled_microbatches(cfg: JobConfig, runtime: Runtime, trace: Callable[[JobConfig], StepTrace]) -> StepTrace:
+def _sampled_microbatches(
+    cfg: JobConfig, runtime: Runtime, trace: Callable[[JobConfig, Runtime], StepTrace]
+) -> StepTrace:
     """This rank's pipeline step (`trace` of a config) traced at two smaller microbatch counts and put on a line
     (`estimate_microbatches`: the simulator picks the cheapest pair that gives the real count's peak); traced
     at the real count when no pair is cheaper."""
-    pp, size = runtime.parallel_dims.pp, cfg.parallelism.pipeline_parallel_microbatch_size
-    m = cfg.training.local_batch_size // size
-    rank = runtime.world_mesh["pp"].get_local_rank()
-    samples = microbatch_samples(schedule_spec(cfg), pp, stages_per_rank(cfg), m, rank)
+    assert runtime.pipeline is not None, "a pipeline step's runtime holds its pipeline setup"
+    m = runtime.pipeline.microbatches
+    samples = microbatch_samples(runtime.pipeline, runtime.world_mesh["pp"].get_local_rank())
     if samples is None:
-        return trace(cfg)
+        return trace(cfg, runtime)
     k1, k2 = samples.small, samples.large
-    small = trace(_with_microbatches(cfg, k1, runtime.dp_size))
-    large = trace(_with_microbatches(cfg, k2, runtime.dp_size))
+    small_cfg, large_cfg = (_with_microbatches(cfg, k, runtime.dp_size) for k in (k1, k2))
+    small = trace(small_cfg, _with_setup_of(small_cfg, runtime))
+    large = trace(large_cfg, _with_setup_of(large_cfg, runtime))
     line = _affine_trace(small, large, k1, k2, m)
     if samples.peak_from_large:  # the warm-up is over at k2: the rank holds what it holds at m
         peak = large.memory
@@ -494,19 +525,18 @@ def trace_step_sampled(cfg: JobConfig, runtime: Runtime, *, fake: bool = True, e
     Under PP each stage of this rank is traced with 1 and then 2 blocks, extrapolated to its real blocks (a
     405B stage of 16 blocks costs what a 2-block one does), each at two smaller microbatch counts
     (`_sampled_microbatches`). `every_block` traces every block (microbatches still sampled)."""
-    if runtime.parallel_dims.pp_enabled:
-        split, pp = _stage_split(cfg), runtime.parallel_dims.pp
-        rank = runtime.world_mesh["pp"].get_local_rank()
-        mapping = stage_to_rank(pp, len(split) // pp, schedule_spec(cfg).placement)
-        mine = [s for s, r in mapping.items() if r == rank]
-        blocks = sum(sum(f.startswith("layers.") for f in split[s]) for s in mine)
+    if runtime.pipeline is not None:
+        setup = runtime.pipeline
+        mine = setup.stages_of(runtime.world_mesh["pp"].get_local_rank())
+        blocks = sum(sum(f.startswith("layers.") for f in setup.stage_fqns[s]) for s in mine)
         if every_block or blocks <= 2 * len(mine):
-            return _sampled_microbatches(cfg, runtime, lambda c: trace_pipeline_step(c, runtime, fake=fake))
-        return _sampled_microbatches(cfg, runtime, lambda c: _sampled_blocks(c, runtime, fake, blocks))
+            return _sampled_microbatches(cfg, runtime, lambda c, r: trace_pipeline_step(c, r, fake=fake))
+        return _sampled_microbatches(cfg, runtime, lambda c, r: _sampled_blocks(c, r, fake, blocks))
     n_layers = llama3_configs[cfg.model.flavor].n_layers
     k1, k2 = SAMPLED_LAYERS
     if every_block or n_layers <= k2:
         return trace_step(cfg, runtime, fake=fake)
-    small = trace_step(cfg, runtime, fake=fake, layers=k1)
-    large = trace_step(cfg, runtime, fake=fake, layers=k2)
-    return extrapolate(small, large, n_layers)
+    return _blocks_on_a_line(
+        lambda k: trace_step(cfg, runtime, fake=fake, layers=k), k1, k2 - k1, n_layers,
+        lambda: trace_step(cfg, runtime, fake=fake),
+    )  # fmt: skip

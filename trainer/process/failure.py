@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 # How long a bystander waits for torchrun to stop it once the first failing rank has exited; it
 # exits by itself after that (e.g. on another node, whose agent only learns of it at rendezvous).
 BYSTANDER_GRACE_S = 30.0
-# The first failure of a rank whose agent died (trainer.lifeline): the rank was lost with its node.
+# The first failure of a rank whose agent died (trainer.process.lifeline): the rank was lost with its node.
 AGENT_DIED = "its torchrun agent died"
 
 
@@ -69,7 +69,7 @@ def claim_first_failure(rank: int, summary: str) -> FirstFailure | None:
 
 
 def claim_agent_died() -> None:
-    """trainer.lifeline's last word: this rank's agent died, so the job lost this node. Claimed so
+    """trainer.process.lifeline's last word: this rank's agent died, so the job lost this node. Claimed so
     that the peers on other nodes, whose collectives break next, report this node as the cause."""
     if dist.is_initialized():
         claim_first_failure(dist.get_rank(), AGENT_DIED)
@@ -78,7 +78,7 @@ def claim_agent_died() -> None:
 def report_failure(error: Exception, rank_zero: RankZero | None = None) -> NoReturn:
     """Call in an `except` block under torchelastic, in a joined world. Never returns: exits with 1.
 
-    `rank_zero` (trainer.nodes.locate_rank_zero) names the store's host when the store is gone.
+    `rank_zero` (trainer.process.nodes.locate_rank_zero) names the store's host when the store is gone.
     Exits without the normal teardown: a failed rank's peers may sit in collectives that will never
     complete, and destroying its process groups could wait on them. Committed checkpoints are safe
     (a save commits by rename); an interrupted one is removed at the next start.

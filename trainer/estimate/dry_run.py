@@ -1,0 +1,183 @@
+"""The dry run of one layout: `estimate(cfg, world_size, device)`.
+
+In one CPU process, with no GPU: a fake process group of N ranks; rank 0 builds the model on meta with
+the trainer's own recipe under the config's degrees and runs one training step on fake tensors
+(trainer.estimate.trace). Without PP every rank has the same role, so rank 0 represents them all; under
+PP the first and the last stage are traced, each on its first rank, and the step is the slower's. It
+reports memory per rank by category and its peak (trainer.estimate.live_bytes), the collectives by kind and
+mesh dim, the FLOPs, and a step time, tok/s per device and MFU (trainer.estimate.pricing on the tables of
+trainer.estimate.devices). `--json` prints DESIGN.md §7's object; `--search` ranks layouts (trainer.estimate.search).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from models.llama3.parallelize import compile_supported
+from parallelisms.dtensor.cost import CostModel, use_cost_model
+from parallelisms.parallel_dims import ParallelDims
+
+from ..config.sections import JobConfig
+from ..preflight import build_parallel_dims, check_config
+from ..runtime import build_runtime, resolve_precision
+from .devices import Device, gpus_per_node
+from .pricing import StepTime, pipeline_stretch, price_step
+from .trace import StepTrace, trace_step_sampled
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Role:
+    """Ranks that hold the same shards and run the same step: all of them without PP; under PP the first
+    and the last stage (the embedding's and the output's), each traced on its first rank."""
+
+    name: str
+    ranks: tuple[int, int]  # [first, last] global rank of the role (pp is the outermost mesh dim)
+    trace: StepTrace
+    time: StepTime
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """One layout's prediction: each role's memory and traffic; the step is the slowest role's."""
+
+    world_size: int
+    device: Device
+    dims: ParallelDims
+    roles: tuple[Role, ...]
+    ac_mode: str
+    local_batch_size: int
+
+    @property
+    def critical(self) -> Role:
+        return max(self.roles, key=lambda r: r.time.step_s)
+
+    @property
+    def trace(self) -> StepTrace:
+        """The slowest role's trace (the one whole role without PP)."""
+        return self.critical.trace
+
+    @property
+    def time(self) -> StepTime:
+        return self.critical.time
+
+    @property
+    def peak_bytes(self) -> int:
+        """The highest peak of any role: what must fit on every device."""
+        return max(r.trace.memory.peak for r in self.roles)
+
+    @property
+    def steady_bytes(self) -> int:
+        return max(sum(r.trace.memory.steady.values()) for r in self.roles)
+
+    @property
+    def tokens_per_s_per_device(self) -> float:
+        return self.trace.local_tokens / self.time.step_s / self.dims.non_data_parallel_size
+
+    @property
+    def mfu(self) -> float:
+        return self.tokens_per_s_per_device * self.trace.flops_per_token / (self.device.peak_tflops * 1e12)
+
+    def as_json(self) -> dict[str, Any]:
+        """DESIGN.md §7's object (extra keys beside the contract's: detail, never in place of it)."""
+        d = self.dims
+        model_flops = self.trace.flops_per_token * self.trace.local_tokens / d.non_data_parallel_size
+        return {
+            "world_size": self.world_size,
+            "device": self.device.name,
+            "layout": {"dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "cp": d.cp, "tp": d.tp, "pp": d.pp},
+            "ranks": [
+                {
+                    "role": r.name,
+                    "ranks": list(r.ranks),
+                    "memory_bytes": r.trace.memory.as_dict(),
+                    "peak_where": r.trace.memory.peak_where,
+                    "reserved_bytes": r.trace.memory.reserved,
+                    "steady_bytes": r.trace.memory.steady,
+                    "collectives": [dataclasses.asdict(c) for c in r.trace.collectives],
+                    "executed_flops_per_step": r.trace.executed_flops,
+                    "float8_flops_per_step": r.trace.float8_flops,
+                    "float8_casts_per_step": r.trace.float8_casts,
+                    "step_time_s": r.time.step_s,
+                }
+                for r in self.roles
+            ],  # fmt: skip
+            "flops_per_step": model_flops,  # model FLOPs (6N + 12 L d T per token) per device
+            "step_time_s": self.time.step_s,
+            "compute_s": self.time.compute_s,
+            "exposed_comm_s": self.time.exposed_s,
+            "tokens_per_s_per_device": self.tokens_per_s_per_device,
+            "mfu": self.mfu,
+            "activation_checkpoint": self.ac_mode,
+            "local_batch_size": self.local_batch_size,
+        }
+
+
+def init_fake_world(world_size: int, rank: int = 0) -> None:
+    """A fake process group of `world_size` ranks, this process rank `rank` (kept if one exists like it)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        if dist.get_world_size() == world_size and dist.get_rank() == rank:
+            return
+        if dist.get_backend() != "fake":
+            raise RuntimeError(
+                f"a process group of {dist.get_world_size()} ranks exists; the estimate needs a fake one of "
+                f"{world_size}"
+            )
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+
+def roles_of(dims: ParallelDims, world_size: int) -> list[tuple[str, tuple[int, int]]]:
+    """(name, [first, last] rank) of each role: one without PP; under PP the first and the last stage."""
+    if not dims.pp_enabled:
+        return [("all", (0, world_size - 1))]
+    per_stage = world_size // dims.pp
+    last = world_size - per_stage
+    return [("first stage", (0, per_stage - 1)), ("last stage", (last, world_size - 1))]
+
+
+def estimate(
+    cfg: JobConfig, world_size: int, device: Device, *, nodes_of: int | None = None, every_block: bool = False
+) -> Estimate:
+    """One layout: the config's degrees on `world_size` ranks of `device` (NGPU per node unless `nodes_of`);
+    `every_block`: trace every block instead of two samples (`trace_step_sampled`)."""
+    check_config(cfg, world_size, local_files=False)  # the job's tokenizer and data live on the cluster
+    if cfg.model.converters and not device.float8_tflops:
+        raise ValueError(
+            f"model.converters={cfg.model.converters} on --device {device.name}: it has no float8 tensor cores "
+            f"(sm_89 or newer needed); set model.converters=[] or pick h100, h200 or b200"
+        )
+    dims = build_parallel_dims(cfg.parallelism, world_size)
+    roles = []
+    per_node = nodes_of or gpus_per_node()
+    # the DTensor plans are the target's: priced with its backend's links and hosts of `per_node` ranks
+    target_links = CostModel(backend="gloo" if device.name == "cpu" else "nccl", host_size=per_node)
+    for name, ranks in roles_of(dims, world_size):
+        init_fake_world(world_size, ranks[0])
+        with use_cost_model(target_links), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # fake tensors' data_ptr deprecation, from code that caches by pointer
+            mesh = dims.build_mesh("cpu")
+            runtime = build_runtime(cfg, dims, mesh, torch.device("cpu"))  # the tensors: fake, on the CPU
+            precision = resolve_precision(cfg, torch.device("cpu" if device.name == "cpu" else "cuda"), dims)
+            runtime = dataclasses.replace(runtime, precision=precision)  # the dtypes: the target device's
+            stretch = 1.0 if runtime.pipeline is None else pipeline_stretch(runtime.pipeline)
+            trace = trace_step_sampled(cfg, runtime, every_block=every_block)
+        compiled = cfg.compile.enable and "model" in cfg.compile.components and compile_supported(dims)
+        time = price_step(trace, dims, device, per_node, pipeline_stretch=stretch, compiled=compiled)
+        roles.append(Role(name, ranks, trace, time))
+    return Estimate(
+        world_size, device, dims, tuple(roles), cfg.activation_checkpoint.mode, cfg.training.local_batch_size
+    )
+
+
+LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
