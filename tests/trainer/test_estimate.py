@@ -110,7 +110,8 @@ def test_sharded_param_grad_optimizer_bytes_equal_the_analytic_figures(config: s
     assert abs(steady["params"] - even) / even < 0.01  # params x bytes / (dp_shard x tp), up to uneven chunks
 
 
-SHIPPED_CONFIGS = {"debug_model": 2, "llama3_1b": 1, "llama3_8b": 8, "llama3_70b": 64, "llama3_405b": 512}  # their worlds
+# each config in configs/ with the world size its header names
+SHIPPED_CONFIGS = {"debug_model": 2, "llama3_1b": 1, "llama3_8b": 8, "llama3_70b": 64, "llama3_405b": 512}
 
 
 def test_every_shipped_config_is_estimated_below() -> None:
