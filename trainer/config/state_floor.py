@@ -19,12 +19,16 @@ GIB = 2**30
 
 
 class Degrees(Protocol):
-    """The sharding degrees of a layout (ParallelDims, or the search's Layout)."""
+    """The sharding degrees of a layout (ParallelDims, or the search's frozen Layout): read only."""
 
-    dp_shard: int
-    cp: int
-    tp: int
-    pp: int
+    @property
+    def dp_shard(self) -> int: ...
+    @property
+    def cp(self) -> int: ...
+    @property
+    def tp(self) -> int: ...
+    @property
+    def pp(self) -> int: ...
 
 
 def state_bytes_lower_bound(cfg: JobConfig, n_params: int, layout: Degrees) -> float:
