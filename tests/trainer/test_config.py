@@ -135,3 +135,12 @@ def test_lists_written_as_in_toml_on_the_command_line() -> None:
         load_config(["--parallelism.module_fqns_per_model_part", "[[tok_embeddings]]"])
     with pytest.raises(TypeError, match=r"model.converters=1: expected a string"):
         load_config(["--model.converters", "[1]"])
+
+
+def test_the_config_reference_page_is_the_code_s() -> None:
+    from trainer.config.help_text import config_reference
+
+    page = Path(__file__).resolve().parents[2] / "docs" / "config_reference.md"
+    assert page.read_text() == config_reference(), (
+        "docs/config_reference.md is stale: python -m trainer.config.help_text > docs/config_reference.md"
+    )

@@ -1,5 +1,5 @@
 """Two torchrun agents (NNODES=2, c10d rendezvous on 127.0.0.1) train one job together through
-./run_train.sh and both exit 0; every node says where global rank 0 runs; and a job that loses a
+multinode_trainer.slurm's srun line (./run_train.sh on each node) and both exit 0; every node says where global rank 0 runs; and a job that loses a
 node ends within seconds, non-zero, saying which node it lost."""
 
 from __future__ import annotations
@@ -26,27 +26,42 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# Stand-ins for SLURM's commands: `scontrol show hostnames` names this host, `srun` starts one task per node
+# (SLURM_NNODES of them, SLURM_NODEID set) and keeps each node's output apart, as SLURM's per-task files do.
+FAKE_SCONTROL = "#!/usr/bin/env bash\necho 127.0.0.1\n"
+FAKE_SRUN = """#!/usr/bin/env bash
+while [[ "$1" == --* ]]; do shift; done
+pids=()
+for ((node = 0; node < SLURM_NNODES; node++)); do
+  SLURM_NODEID=$node "$@" > "$SRUN_LOGS/node$node.log" 2>&1 &
+  pids+=($!)
+done
+rc=0
+for pid in "${pids[@]}"; do wait "$pid" || rc=$?; done
+exit $rc
+"""
+
+
 @pytest.mark.e2e
-def test_two_nodes_train_one_job(tmp_path: Path) -> None:
-    endpoint = f"127.0.0.1:{_free_port()}"
-    env = {k: v for k, v in os.environ.items() if k not in ("LOG_RANK", "CONFIG_FILE")}
-    env.update(NGPU="1", NNODES="2", RDZV_ENDPOINT=endpoint)
-    args = ["--training.steps", "2", "--training.seq_len", "64", "--job.dump_folder", str(tmp_path)]
-    nodes = [
-        subprocess.Popen(
-            ["./run_train.sh", *args],
-            cwd=REPO,
-            env={**env, "NODE_RANK": str(n)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )  # fmt: skip
-        for n in range(2)
-    ]
-    outputs = [node.communicate(timeout=240)[0] for node in nodes]
-    assert [node.returncode for node in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
-    assert "dp_shard" in outputs[0] and "[0, 1]" in outputs[0], outputs[0][-3000:]  # one mesh over both nodes
-    assert "step 2 |" in outputs[0], outputs[0][-3000:]
+def test_two_nodes_train_one_job_through_the_slurm_script(tmp_path: Path) -> None:
+    """multinode_trainer.slurm as sbatch runs it, SLURM's commands stood in for: two agents (NNODES=2, a c10d
+    rendezvous on 127.0.0.1) train one job and both exit 0; every node says where global rank 0 runs."""
+    bin_dir, logs = tmp_path / "bin", tmp_path / "logs"
+    bin_dir.mkdir()
+    logs.mkdir()
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("LOG_RANK", "CONFIG_FILE", "NNODES", "RDZV_ENDPOINT")}
+    env.update(PATH=f"{bin_dir}:{env['PATH']}", SRUN_LOGS=str(logs), SLURM_NNODES="2", SLURM_JOB_NODELIST="node[0-1]",
+               RDZV_PORT=str(_free_port()), NGPU="1")  # fmt: skip
+    args = ["--training.steps", "2", "--training.seq_len", "64", "--job.dump_folder", str(tmp_path / "job")]
+    done = subprocess.run(["bash", "multinode_trainer.slurm", *args], cwd=REPO, env=env, timeout=240,
+                          capture_output=True, text=True)  # fmt: skip
+    outputs = [(logs / f"node{n}.log").read_text() for n in range(2)]
+    assert done.returncode == 0, done.stderr[-2000:] + outputs[0][-3000:] + outputs[1][-3000:]
+    assert "dp_shard" in outputs[0] + outputs[1] and "[0, 1]" in outputs[0] + outputs[1]  # one mesh, both nodes
+    assert "step 2 |" in outputs[0] + outputs[1], outputs[0][-3000:]
     # c10d may give rank 0 to either agent: each node's console says where it runs and where its logs go
     for output in outputs:
         line = next((line for line in output.splitlines() if RANK_ZERO in line), None)

@@ -1,4 +1,5 @@
-"""`--help`: every section and key of the job config with its type, default and one-line doc.
+"""`--help`: every section and key of the job config with its type, default and one-line doc; and the same as
+docs/config_reference.md (`python -m trainer.config.help_text > docs/config_reference.md`; a test keeps it current).
 
 The docs are the string literals under each field in `trainer/config/sections.py` (attribute docstrings, which
 Python does not keep at run time), read from its source with `ast`, so the help and the code never differ.
@@ -83,3 +84,42 @@ def print_help() -> None:
         print(config_help(), flush=True)
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+
+
+def _markdown_rows(cls: type, name: str, docs: dict[tuple[str, str], str]) -> list[str]:
+    hints = typing.get_type_hints(cls)
+    rows, subsections = [], []
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+            subsections.append((tp, f"{name}.{f.name}"))
+            continue
+        doc = docs.get((cls.__name__, f.name), "").replace("|", "\\|")
+        kind = _type_name(tp).replace("|", "\\|")
+        rows.append(f"| `{f.name}` | `{kind}` | `{_default(f)!r}` | {doc} |")
+    lines = [f"\n## [{name}]\n", "| key | type | default | what it does |", "| --- | --- | --- | --- |", *rows]
+    lines = lines if rows else lines[:1]
+    for tp, sub in subsections:
+        lines += _markdown_rows(tp, sub, docs)
+    return lines
+
+
+def config_reference() -> str:
+    """docs/config_reference.md: every section and key as a table, from the code."""
+    docs = field_docs()
+    hints = typing.get_type_hints(JobConfig)
+    lines = [
+        "# Config reference",
+        "",
+        "Generated from `trainer/config/sections.py` by `python -m trainer.config.help_text > "
+        "docs/config_reference.md`; `./run_train.sh --help` prints the same. Keys come from the dataclass defaults, "
+        "then the TOML file of `--job.config_file`, then the command line (`--section.key value`). Sections and keys "
+        "are torchtitan v0.2.0's, so its TOML files load unchanged.",
+    ]
+    for f in dataclasses.fields(JobConfig):
+        lines += _markdown_rows(hints[f.name], f.name, docs)
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.stdout.write(config_reference())
