@@ -2,7 +2,7 @@
 
 Times all-reduce, all-gather and reduce-scatter of 1 element to 16 MiB on `--ranks` gloo processes
 (or NCCL with `--backend nccl` on GPUs), fits the α–β line `seconds = α + sent / β` to the medians
-(sent: the bytes one rank sends in a ring, redistribute.RING_VOLUME; `fit` says how), and prints the fit beside
+(sent: the bytes one rank sends in a ring, transitions.RING_VOLUME; `fit` says how), and prints the fit beside
 `parallelisms.dtensor.cost`'s intra-host link for that backend, with the model's error at each size. It also
 times our reduce-scatter (`collectives.reduce_scatter_flat`: on gloo an all_to_all and a local sum) beside the
 backend's own (`reduce_scatter_ms` in the summary, by size):

@@ -56,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models.llama3 import llama3_configs
 from models.llama3.model import Transformer
-from models.llama3.pipeline import module_fqns_per_stage, split_model
+from models.llama3.pipeline_split import module_fqns_per_stage, split_model
 from parallelisms.pipeline_parallel import (
     SCHEDULES,
     Costs,
@@ -67,8 +67,8 @@ from parallelisms.pipeline_parallel import (
     simulate,
     stage_to_rank,
 )
+from parallelisms.pipeline_parallel.interpreter import PipelineSchedule
 from parallelisms.pipeline_parallel.p2p import PendingRecv
-from parallelisms.pipeline_parallel.runtime import PipelineSchedule
 from parallelisms.pipeline_parallel.stage import BoundaryMeta, PipelineStage
 from tests.pipeline_parallel.torch_oracle import TORCH_CLASSES
 from tests.world import World

@@ -16,7 +16,7 @@ from models.float8 import convert_to_float8_training
 from models.llama3 import Transformer, llama3_configs
 from models.llama3.parallelize import parallelize_llama
 from parallelisms.activation_checkpoint import ACMode
-from parallelisms.dtensor.init import layout_invariant_init
+from parallelisms.dtensor.layout_invariant_init import layout_invariant_init
 from parallelisms.fsdp import MixedPrecisionPolicy, precompute_all_gather_scales
 
 from .config import JobConfig

@@ -24,11 +24,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.llama3 import Transformer
-from models.llama3.pipeline import split_model, tied_across_stages
+from models.llama3.pipeline_split import split_model, tied_across_stages
 from parallelisms.dtensor import DeviceMesh, DTensor
 from parallelisms.dtensor.dtensor import local_tensor
 from parallelisms.pipeline_parallel import ScheduleSpec, lower_schedule, stage_to_rank
-from parallelisms.pipeline_parallel.runtime import PipelineSchedule
+from parallelisms.pipeline_parallel.interpreter import PipelineSchedule
 from parallelisms.pipeline_parallel.stage import BoundaryMeta, PipelineStage
 from parallelisms.tensor_parallel import loss_parallel
 from parallelisms.tensor_parallel.partial_grads import reduce_partial_grads

@@ -188,7 +188,7 @@ class Transformer(nn.Module):
             self.tie_weights()
         with torch.device(buffer_device or self.freqs_cis.device):
             self.freqs_cis = self._precompute_freqs_cis()
-        # A pipeline part (models/llama3/pipeline.py) lacks some modules; their meta stand-ins run their fills
+        # A pipeline part (models/llama3/pipeline_split.py) lacks some modules; their meta stand-ins run their fills
         # (writing nothing), so every part draws the random stream exactly as the whole model does.
         args, absent = self.model_args, self.__dict__.get("pipeline_absent", {})
         embedding = self.tok_embeddings or absent["tok_embeddings"]

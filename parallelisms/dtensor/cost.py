@@ -9,7 +9,7 @@ inter-host link (hosts are blocks of LOCAL_WORLD_SIZE ranks, as torchrun numbers
 `use_cost_model(...)` overrides the defaults.
 
 What each transition sends (ring volumes, padding) and so what a redistribution costs is
-redistribute.py's: it owns the transition table and prices its steps here. Everything the planners
+transitions.py's: it owns the transition table and prices its steps here. Everything the planners
 compare goes through there: the dispatcher's choice between a rule's Shardings, the foreach rules,
 and `plan_transitions` choosing between walks. Costs are pure shape math, the same on every rank,
 so every rank picks the same plan.

@@ -32,8 +32,9 @@ from .ops import random as random_ops
 from .ops.registry import ScalarTensor, iter_flat
 from .placements import Placement, Replicate
 from .planning import Plan, PlanCache, build_plan
-from .redistribute import conform_layout, layout_mismatch, plan_transitions, redistribute_local
+from .redistribute import conform_layout, redistribute_local
 from .spec import DTensorSpec, TensorMeta
+from .transitions import layout_mismatch, plan_transitions
 
 logger = logging.getLogger(__name__)
 DEBUG = os.environ.get("MESHTRAIN_DEBUG", "0") not in ("", "0")
@@ -349,7 +350,7 @@ def _redistribute_inputs(op: OpOverload, args: tuple, kwargs: dict, dtensors: li
 
 
 def _log_redistribute(op: OpOverload, index: int, spec: DTensorSpec, target: tuple[Placement, ...]) -> None:
-    """MESHTRAIN_DEBUG: `aten.mm arg0 (S(0),R)->(R,R): all_gather on tp` (step names: redistribute.TRANSITIONS)."""
+    """MESHTRAIN_DEBUG: `aten.mm arg0 (S(0),R)->(R,R): all_gather on tp` (step names: transitions.TRANSITIONS)."""
     names = spec.mesh.mesh_dim_names or tuple(str(i) for i in range(spec.mesh.ndim))
     comms = [f"{t.kind} on {names[t.mesh_dim]}" for t in plan_transitions(spec, target)]
     src = ",".join(map(str, spec.placements))

@@ -35,12 +35,12 @@ from .placements import (
 from .redistribute import (
     CastRedistribute,
     Redistribute,
-    check_target,
     conform_layout,
     partition_value,
     redistribute_local,
 )
 from .spec import DTensorSpec, TensorMeta, contiguous_stride
+from .transitions import check_target
 
 _make_wrapper = torch.Tensor._make_wrapper_subclass
 

@@ -29,8 +29,8 @@ from .ops import random as random_ops
 from .ops.decompositions import Decomposition, find_decomposition
 from .ops.registry import LOCAL_SHAPE, LOCAL_STRIDE, STRIDED_RULES, WORLD_LOCAL_IMPLS, LocalImpl, Role, ScalarTensor
 from .placements import Placement, Replicate, Shard, _StridedShard, is_strided
-from .redistribute import candidate_rank
 from .spec import DTensorSpec, TensorMeta, dense_stride_like
+from .transitions import candidate_rank
 
 logger = logging.getLogger(__name__)
 aten = torch.ops.aten

@@ -2,7 +2,7 @@
 
 from .api import parallelize_module
 from .input_reshard import input_reshard
-from .loss import loss_parallel
+from .loss_parallel_context import loss_parallel
 from .style import (
     ColwiseParallel,
     ParallelStyle,

@@ -16,7 +16,7 @@ from parallelisms.dtensor.cost import (
     cost_model,
     use_cost_model,
 )
-from parallelisms.dtensor.redistribute import transition_seconds
+from parallelisms.dtensor.transitions import transition_seconds
 
 
 @dataclass(frozen=True, eq=False)
@@ -90,8 +90,8 @@ def test_a_partition_costs_the_all_reduce_it_defers() -> None:
 
 def _plans_per_cost_model() -> list[int]:
     from parallelisms.dtensor import Replicate, Shard, init_device_mesh
-    from parallelisms.dtensor.redistribute import _plan_transitions, plan_transitions
     from parallelisms.dtensor.spec import DTensorSpec, TensorMeta
+    from parallelisms.dtensor.transitions import _plan_transitions, plan_transitions
 
     mesh = init_device_mesh("cpu", (2,))
     t = torch.empty(4, 6)

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 
 from models.llama3 import Transformer, llama3_configs
-from models.llama3.pipeline import module_fqns_per_stage, split_model
-from parallelisms.dtensor.init import layout_invariant_init
+from models.llama3.pipeline_split import module_fqns_per_stage, split_model
+from parallelisms.dtensor.layout_invariant_init import layout_invariant_init
 from tests.world import run_world
 
 ARGS = dataclasses.replace(llama3_configs["debugmodel"], dim=32, n_layers=6, n_heads=4, vocab_size=37, max_seq_len=8)
@@ -71,7 +71,7 @@ def test_parts_get_the_whole_models_weights_keep_its_names_and_chain_into_its_lo
 
 def _pipeline_grads(schedule: str) -> dict:
     from parallelisms.pipeline_parallel import get_schedule, lower_schedule, stage_to_rank
-    from parallelisms.pipeline_parallel.runtime import PipelineSchedule
+    from parallelisms.pipeline_parallel.interpreter import PipelineSchedule
     from parallelisms.pipeline_parallel.stage import BoundaryMeta, PipelineStage
 
     pp, rank = dist.get_world_size(), dist.get_rank()

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parallelisms.pipeline_parallel import get_schedule, lower_schedule, rank_to_stages, stage_to_rank
-from parallelisms.pipeline_parallel.runtime import PipelineSchedule
+from parallelisms.pipeline_parallel.interpreter import PipelineSchedule
 from parallelisms.pipeline_parallel.stage import BoundaryMeta, PipelineStage
 from tests.world import WorldError, run_world
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parallelisms.pipeline_parallel import SCHEDULES, get_schedule, lower_schedule, rank_to_stages, stage_to_rank
-from parallelisms.pipeline_parallel.runtime import PipelineSchedule
+from parallelisms.pipeline_parallel.interpreter import PipelineSchedule
 from parallelisms.pipeline_parallel.stage import BoundaryMeta, PipelineStage
 from tests.pipeline_parallel.test_runtime import DIM, MB, _stage_part, _whole_model  # the same small model
 from tests.pipeline_parallel.torch_oracle import TORCH_CLASSES, torch_runtime

@@ -1,6 +1,6 @@
 """Two torchrun agents (NNODES=2, c10d rendezvous on 127.0.0.1) train one job together through
-multinode_trainer.slurm's srun line (./run_train.sh on each node) and both exit 0; every node says where global rank 0 runs; and a job that loses a
-node ends within seconds, non-zero, saying which node it lost."""
+multinode_trainer.slurm's srun line (./run_train.sh on each node) and both exit 0; every node says where global
+rank 0 runs; and a job that loses a node ends within seconds, non-zero, saying which node it lost."""
 
 from __future__ import annotations
 

@@ -24,8 +24,8 @@ import torch
 from torch._ops import OpOverload
 
 from ..placements import Replicate
-from ..redistribute import candidate_rank
 from ..spec import DTensorSpec
+from ..transitions import candidate_rank
 from .pointwise import (
     PartialRule,
     broadcast_shape,
@@ -111,7 +111,7 @@ def index_candidates(
 
 
 def cheapest(inputs: Sequence[DTensorSpec], candidates: Sequence[Candidate]) -> Candidate:
-    """The cheapest candidate, ranked as the dispatcher ranks a rule's (redistribute.candidate_rank)."""
+    """The cheapest candidate, ranked as the dispatcher ranks a rule's (transitions.candidate_rank)."""
     return min(candidates, key=lambda c: candidate_rank(inputs, c[1], [c[0]]))
 
 

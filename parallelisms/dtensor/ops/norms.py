@@ -16,7 +16,7 @@ the incoming grad, so a P(sum) grad with everything else Replicate gives P(sum) 
 
 log_softmax over a sharded dim may instead stay sharded: it all-reduces each row's max and sum of
 exponentials (one value per row, Megatron's vocabulary-parallel cross-entropy), so the logits of a
-column-parallel output layer never gather; with nll_loss's class-sharded rule (loss.py) this is
+column-parallel output layer never gather; with nll_loss's class-sharded rule (nll_loss.py) this is
 `loss_parallel`. Plain softmax keeps the simple rule (gather the dim).
 
 `F.rms_norm` and `nn.RMSNorm` decompose on CPU (torch 2.13) into pow / mean / add / rsqrt / mul

@@ -293,7 +293,7 @@ RULE_FILES = (
     ("_foreach_", "foreach.py"),
     ("embedding", "embedding.py"),
     ("attention", "attention.py"),
-    ("loss", "loss.py"),
+    ("loss", "nll_loss.py"),
     ("norm", "norms.py"),
     ("softmax", "norms.py"),
     ("mm", "matmul.py"),

@@ -1,4 +1,4 @@
-"""nll_loss rules (ops/loss.py): cross_entropy and nll_loss against the single-device run.
+"""nll_loss rules (ops/nll_loss.py): cross_entropy and nll_loss against the single-device run.
 
 `F.cross_entropy` decomposes into _log_softmax + nll_loss_forward, so these checks also drive the
 softmax rules. Targets include ignored rows (ignore_index), so a mean over sharded rows is only

@@ -343,7 +343,7 @@ def _versus_torch(mesh_shape: tuple[int, ...], strict: bool) -> list[str]:
 
 @pytest.mark.parametrize("mesh_shape,world_size", [((2,), 2), ((2, 2), 4)])
 def test_mm_matches_torch_dtensor_with_no_more_communication(mesh_shape, world_size) -> None:
-    # On (2, 2) the dispatcher's cost (redistribute.candidate_rank) sometimes picks two small
+    # On (2, 2) the dispatcher's cost (transitions.candidate_rank) sometimes picks two small
     # collectives over torch's one larger one, and where both operands are sharded differently on one
     # mesh dim it can send more bytes (it prices an outer-mesh-dim gather as if the inner mesh dims did
     # not shard other dims); the (2, 2) check covers the other layouts and allows that trade.

@@ -227,7 +227,7 @@ def partial_cases(mesh_shape) -> list[str]:
         "P*2.5": (lambda: ps * 2.5, s * 2.5, Expect("P(sum)", 0)),
         "P+1": (lambda: ps + 1, s + 1, Expect("R", 1)),  # a constant would be added n times
         # torch partitions R (0 now, its P output owes the reduction); ours prices the partition as
-        # the all-reduce it defers (redistribute.transition_seconds) and reduces the P at once
+        # the all-reduce it defers (transitions.transition_seconds) and reduces the P at once
         "P+R": (lambda: ps + r, s + rv, Expect("R", 1)),
         "relu(P)": (lambda: torch.relu(ps), torch.relu(s), Expect("R", 1)),
         "relu(Pmax)": (lambda: torch.relu(pmax), torch.relu(mx), Expect("P(max)", 0)),

@@ -8,7 +8,7 @@ import torch
 from parallelisms.dtensor import Partial, Replicate, Shard
 from parallelisms.dtensor.ops import OpCall
 from parallelisms.dtensor.ops.registry import Role, positional_index
-from parallelisms.dtensor.redistribute import UNREACHABLE, transition_kind
+from parallelisms.dtensor.transitions import UNREACHABLE, transition_kind
 from tests.dtensor.harness import make_spec
 
 aten = torch.ops.aten

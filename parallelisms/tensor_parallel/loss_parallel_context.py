@@ -1,6 +1,6 @@
 """loss_parallel: cross-entropy on logits sharded on the class (vocabulary) dim, without gathering them.
 
-Our `_log_softmax` and `nll_loss` rules (parallelisms/dtensor/ops/norms.py, loss.py) always keep a
+Our `_log_softmax` and `nll_loss` rules (parallelisms/dtensor/ops/norms.py, nll_loss.py) always keep a
 sharded class dim sharded: the log-softmax all-reduces each row's max and sum of exponentials, and
 the shard that owns a row's target class contributes its loss (P(sum)). So unlike torch, the math
 needs no switch. What this context adds is torch's calling convention:
