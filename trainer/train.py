@@ -29,6 +29,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from checkpoint.manager import CheckpointManager
 from checkpoint.stateful import ModelState, OptimizerState, RngState, Stateful
 from models.float8 import convert_to_float8_training
+from models.hf_adapters import hf_adapter
 from models.llama3 import Transformer, TransformerModelArgs, llama3_configs
 from models.llama3.parallelize import parallelize_llama
 from parallelisms.activation_checkpoint import ACMode
@@ -354,7 +355,8 @@ def build_checkpointer(
     # the trainer's conventions (trainer/checkpointing.py): the weights under "model", a resume point holds
     # "train_state", and weights of a Llama with other architecture args are refused
     folder = Path(cfg.job.dump_folder) / cfg.checkpoint.folder
-    manager = CheckpointManager(folder, states, metadata=metadata, roles=TRAINER_ROLES, **options)
+    manager = CheckpointManager(folder, states, metadata=metadata, roles=TRAINER_ROLES,
+                                hf_adapter=hf_adapter(cfg.model.name), **options)  # fmt: skip
     train_state.step = manager.load()
     return manager
 
