@@ -1,4 +1,4 @@
-"""Resharding distributed checkpoint on safetensors (DESIGN.md section 5).
+"""Resharding distributed checkpoint on safetensors (docs/architecture.md §5).
 
 `save(state_dict, dir)` writes a committed checkpoint atomically (one safetensors file per writing
 rank + `index.json`); `async_save` stages to CPU and writes on a background thread; `load(state_dict,

@@ -1,4 +1,4 @@
-"""`save`, `async_save` and `load` of distributed state dicts (DESIGN.md section 5).
+"""`save`, `async_save` and `load` of distributed state dicts (docs/architecture.md §5).
 
 Saving: every rank works out, from the tensors' global shapes and placements alone, which rank
 holds which box of every tensor and which one writes it (`planner.assign_owners`: each replicated

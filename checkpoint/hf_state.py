@@ -1,12 +1,14 @@
-"""The trainer's live model <-> Hugging Face Llama safetensors folders (`checkpoint.initial_load_in_hf`,
-`checkpoint.last_save_in_hf`), on the conversion code of `checkpoint.convert` and models/llama3/hf_adapter.py.
+"""The trainer's live model <-> Hugging Face safetensors folders (`checkpoint.initial_load_in_hf`,
+`checkpoint.last_save_in_hf`), on `checkpoint.hf_conversion` and the model family's `HFAdapter`, which
+the caller hands in (checkpoint/hf_adapter.py; Llama's is models/llama3/hf_adapter.py).
 
-Loading maps names and the q/k rotary permutation at load time: every rank reads, with safetensors'
-mmap slices, only the box of each tensor its shard holds (for wq / wk the whole heads the box overlaps,
-since the permutation acts within a head), so no rank ever holds the whole model. Saving writes a
-model-only checkpoint next to the target (every rank its part, as any save) and converts it on rank 0
-with `to_hf`, which streams one tensor at a time and commits `OUT.tmp-<id>/` by renaming it: either
-way a crash leaves only `*.tmp-*` leftovers, never a half-written folder under the final name.
+Loading maps names and the layout transforms at load time: every rank reads, with safetensors'
+mmap slices, only the box of each tensor its shard holds (for a tensor whose rows HF permutes within
+each head, Llama's wq / wk, the whole heads the box overlaps), so no rank ever holds the whole model.
+Saving writes a model-only checkpoint next to the target (every rank its part, as any save) and
+converts it on rank 0 with `to_hf`, which streams one tensor at a time and commits `OUT.tmp-<id>/` by
+renaming it: either way a crash leaves only `*.tmp-*` leftovers, never a half-written folder under the
+final name.
 """
 
 from __future__ import annotations
@@ -23,13 +25,12 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
-from models.llama3 import TransformerModelArgs
-from models.llama3 import hf_adapter as hf
 from parallelisms.dtensor import DTensor
 
-from .convert import HF_CONFIG_FILE, HF_INDEX_FILE, hf_model_metadata, hf_weight_files, to_hf
 from .distributed import save
 from .format import CheckpointError
+from .hf_adapter import ArgsT, HFAdapter
+from .hf_conversion import HF_CONFIG_FILE, HF_INDEX_FILE, hf_model_metadata, hf_weight_files, to_hf
 
 logger = logging.getLogger(__name__)
 
@@ -55,15 +56,16 @@ def check_hf_folder(hf_dir: Path, key: str) -> dict[str, Path]:
 
 
 def load_hf_model(
-    model: dict[str, torch.Tensor], hf_dir: Path, files: dict[str, Path], args: TransformerModelArgs
+    model: dict[str, torch.Tensor], hf_dir: Path, files: dict[str, Path], args: ArgsT, adapter: HFAdapter[ArgsT]
 ) -> None:
     """Fill `model` (our FQN -> this rank's DTensor or plain tensor, filled in place, cast to its dtype)
-    from the HF Llama safetensors `files` of `hf_dir`; every missing, extra or misshapen tensor is
-    reported at once."""
+    from the HF safetensors `files` of `hf_dir` (`adapter`'s family, the model `args`); every missing,
+    extra or misshapen tensor is reported at once."""
     problems = []
-    wanted = {hf.to_hf_name(fqn): fqn for fqn in model}
+    wanted = {adapter.to_hf_name(fqn): fqn for fqn in model}
     for name in files:
-        if name not in wanted and not name.endswith(hf.HF_IGNORED_SUFFIXES) and not _tied_head(name, model):
+        ignored = name.endswith(adapter.ignored_hf_suffixes) or _tied_head(name, model, adapter)
+        if name not in wanted and not ignored:
             problems.append(f"{name}: not a parameter of this job's model")
     problems += [f"{name}: missing (for {fqn})" for name, fqn in wanted.items() if name not in files]
     with contextlib.ExitStack() as stack:
@@ -83,16 +85,16 @@ def load_hf_model(
                 continue
             local, offset = _shard(target)
             if local.numel():
-                local.copy_(_read_box(saved, fqn, offset, tuple(local.shape), args))
+                local.copy_(_read_box(saved, fqn, offset, tuple(local.shape), args, adapter))
     if problems:
         raise CheckpointError(
             f"{hf_dir} does not fit this job's model ({len(problems)} problems):\n  " + "\n  ".join(problems[:20])
         )
 
 
-def _tied_head(name: str, model: dict[str, torch.Tensor]) -> bool:
+def _tied_head(name: str, model: dict[str, torch.Tensor], adapter: HFAdapter[Any]) -> bool:
     """HF's lm_head.weight of a tied model, which HF itself ignores (our tied model has no output.weight)."""
-    return name == "lm_head.weight" and "output.weight" not in model
+    return name == adapter.to_hf_name(adapter.output_fqn) and adapter.output_fqn not in model
 
 
 def _shard(target: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
@@ -104,35 +106,44 @@ def _shard(target: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
 
 
 def _read_box(
-    saved: Any, fqn: str, offset: tuple[int, ...], shape: tuple[int, ...], args: TransformerModelArgs
+    saved: Any,
+    fqn: str,
+    offset: tuple[int, ...],
+    shape: tuple[int, ...],
+    args: ArgsT,
+    adapter: HFAdapter[ArgsT],
 ) -> torch.Tensor:
-    """Our tensor `fqn`'s box (offset, shape) from HF's slice `saved`. HF permutes the rows of wq / wk
-    within each head, so for those the rows of every head the box touches are read and un-permuted."""
+    """Our tensor `fqn`'s box (offset, shape) from HF's slice `saved`. Where HF permutes the rows within
+    each head (Llama's wq / wk), the rows of every head the box touches are read and un-permuted."""
     box = tuple(slice(o, o + n) for o, n in zip(offset, shape))
-    rows = saved.get_shape()[0]
-    probe = torch.empty(rows, 1, device="meta")
-    if hf.from_hf_tensor(fqn, probe, args) is probe:  # not a rotated projection: the same layout in both
+    head_dim = adapter.rotary_head_dim(fqn, args)
+    if head_dim is None:  # not a rotated projection: the same layout in both
         return saved[box]
-    head_dim = args.head_dim
     first, last = offset[0] // head_dim, -(-(offset[0] + shape[0]) // head_dim)  # heads [first, last)
     block = saved[(slice(first * head_dim, last * head_dim), *box[1:])]  # (heads * Dh, cols)
-    ours = hf.permute_from_hf(block, last - first)
+    ours = adapter.permute_from_hf(block, last - first)
     start = offset[0] - first * head_dim
     return ours[start : start + shape[0]]
 
 
 def save_hf_model(
-    model: dict[str, torch.Tensor], out: Path, *, dtype: str, metadata: dict[str, Any] | None, rank: int
+    model: dict[str, torch.Tensor],
+    out: Path,
+    adapter: HFAdapter[Any],
+    *,
+    dtype: str,
+    metadata: dict[str, Any] | None,
+    rank: int,
 ) -> Path:
-    """Write `model` (this rank's state dict) as the Hugging Face Llama folder `out` in `dtype`;
-    collective. CheckpointError on every rank when the conversion fails on rank 0."""
+    """Write `model` (this rank's state dict) as the Hugging Face folder `out` of `adapter`'s family in
+    `dtype`; collective. CheckpointError on every rank when the conversion fails on rank 0."""
     source = out.with_name(f"{out.name}.tmp-source")  # a leftover if anything dies: removed at the next start
     target = getattr(torch, dtype)
     save({"model": {k: v.to(target) for k, v in model.items()}}, source, metadata=metadata)
     error: list[str | None] = [None]
     if rank == 0:
         try:
-            to_hf(source, out, dtype=dtype)
+            to_hf(source, out, adapter, dtype=dtype)
         except (OSError, ValueError, TypeError) as e:
             error[0] = f"{type(e).__name__}: {e}"
         finally:
@@ -145,21 +156,25 @@ def save_hf_model(
 
 
 def hf_job_model_args(
-    path: Path, metadata: dict[str, Any] | None, check: Callable[[Path, dict[str, Any]], None]
-) -> TransformerModelArgs:
-    """The model args the q/k permutation of an HF load needs (the head counts): this job's, as `metadata`
-    records them, else the HF folder's config.json; where the folder has one, `check(path, its metadata)`
-    compares it with this job's model first."""
-    theirs: TransformerModelArgs | None = None
+    path: Path,
+    metadata: dict[str, Any] | None,
+    check: Callable[[Path, dict[str, Any]], None],
+    adapter: HFAdapter[ArgsT],
+) -> ArgsT:
+    """The model args the layout transforms of an HF load need (Llama's head counts): this job's, as
+    `metadata` records them, else the HF folder's config.json; where the folder has one, `check(path, its
+    metadata)` compares it with this job's model first."""
+    theirs: ArgsT | None = None
     if (path / HF_CONFIG_FILE).is_file():
-        theirs, saved = hf_model_metadata(path)
-        # config.json gives the FFN width, which (multiple_of, ffn_dim_multiplier) spell in several ways: the
-        # tensors' shapes check it
-        spelled = {k: v for k, v in saved["model_args"].items() if k not in ("multiple_of", "ffn_dim_multiplier")}
+        theirs, saved = hf_model_metadata(path, adapter)
+        # config.json leaves some args open (Llama's FFN width, which multiple_of and ffn_dim_multiplier spell
+        # in several ways): the tensors' shapes check them
+        ambiguous = adapter.hf_config_ambiguous_args
+        spelled = {k: v for k, v in saved["model_args"].items() if k not in ambiguous}
         check(path, {**saved, "model_args": spelled})
     ours = (metadata or {}).get("model_args")
     if isinstance(ours, dict):
-        return hf.model_args_from_json(json.loads(json.dumps(ours)))
+        return adapter.model_args_from_json(json.loads(json.dumps(ours)))
     if theirs is None:
         raise CheckpointError(
             f"{path} has no {HF_CONFIG_FILE} and this job records no model args: the head counts of the q/k "

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from .distributed import async_save, load, save
 from .format import CheckpointError, read_index
+from .hf_adapter import HFAdapter
 from .hf_state import check_hf_folder, hf_job_model_args, load_hf_model, save_hf_model
 from .stateful import Stateful
 from .step_folders import LOADABLE, StepKind, clear_way, committed_steps, report_passed_over, step_folders, step_kind
@@ -61,8 +62,10 @@ class CheckpointManager:
     The keyword arguments are torchtitan v0.2.0's `[checkpoint]` keys (see the module docstring), plus
     `hf_assets_path` (model.hf_assets_path, the Hugging Face folder `initial_load_in_hf` reads when
     `initial_load_path` is "") and `metadata` (saved with every checkpoint; `roles.compatible` compares it
-    with the metadata of any weights loaded; an HF load reads its "model_args"), and `roles`: what the states
-    mean (StateRoles). `enable_ft_dataloader_checkpoints` and `initial_load_in_hf_quantized` are accepted and
+    with the metadata of any weights loaded; an HF load reads its "model_args"), `roles`: what the states
+    mean (StateRoles), and `hf_adapter`: the model family's Hugging Face adapter (checkpoint/hf_adapter.py;
+    the caller looks it up, e.g. `models.hf_adapters.hf_adapter(model.name)`), needed by `initial_load_in_hf`
+    and `last_save_in_hf`. `enable_ft_dataloader_checkpoints` and `initial_load_in_hf_quantized` are accepted and
     ignored: fault tolerance does not exist here, the pre-flight refuses the other.
     """
 
@@ -91,10 +94,11 @@ class CheckpointManager:
         enable_ft_dataloader_checkpoints: bool = True,
         metadata: dict[str, Any] | None = None,
         roles: StateRoles | None = None,
+        hf_adapter: HFAdapter[Any] | None = None,
     ) -> None:
         del initial_load_in_hf_quantized, enable_ft_dataloader_checkpoints  # accepted for torchtitan's configs
         _check_options(async_mode, last_save_model_only, last_save_in_hf, initial_load_model_only,
-                       initial_load_in_hf, initial_load_path or hf_assets_path)  # fmt: skip
+                       initial_load_in_hf, initial_load_path or hf_assets_path, hf_adapter)  # fmt: skip
         self.roles = roles or StateRoles()
         if self.roles.model not in states:
             raise ValueError(f"the checkpointed states need a {self.roles.model!r} entry (StateRoles.model)")
@@ -104,6 +108,7 @@ class CheckpointManager:
         self.export_dtype_name, self.export_dtype = export_dtype, getattr(torch, export_dtype)
         self.initial_load_path, self.initial_load_model_only = initial_load_path, initial_load_model_only
         self.initial_load_in_hf, self.hf_assets_path = initial_load_in_hf, hf_assets_path
+        self.hf_adapter = hf_adapter
         self.exclude_from_loading, self.load_step, self.metadata = list(exclude_from_loading), load_step, metadata
         self.enable_first_step_checkpoint, self.load_only = enable_first_step_checkpoint, load_only
         self.create_seed_checkpoint = create_seed_checkpoint
@@ -206,10 +211,12 @@ class CheckpointManager:
 
     def _load_hf(self, path: Path, key: str) -> None:
         """The model from the Hugging Face folder `path` (named by config key `key`): model only."""
+        assert self.hf_adapter is not None  # _check_options
         files = check_hf_folder(path, key)
         model = self.states[self.roles.model]
         state_dict = model.state_dict()
-        load_hf_model(state_dict, path, files, hf_job_model_args(path, self.metadata, self._check_compatible))
+        args = hf_job_model_args(path, self.metadata, self._check_compatible, self.hf_adapter)
+        load_hf_model(state_dict, path, files, args, self.hf_adapter)
         model.load_state_dict(state_dict)
 
     # -------------------------------------------------------------------------------- saving
@@ -268,9 +275,11 @@ class CheckpointManager:
         out = self.folder / f"step-{step}-hf"
         if not self._make_way(out, step, model_only=True):
             return
+        assert self.hf_adapter is not None  # _check_options
         t0 = time.perf_counter()
         model = self.states[self.roles.model].state_dict()
-        save_hf_model(model, out, dtype=self.export_dtype_name, metadata=self.metadata, rank=self.rank)
+        save_hf_model(model, out, self.hf_adapter, dtype=self.export_dtype_name, metadata=self.metadata,
+                      rank=self.rank)  # fmt: skip
         logger.info("step %d saved as the Hugging Face folder %s (model only, %s) in %.2f s", step, out,
                     self.export_dtype_name, time.perf_counter() - t0)  # fmt: skip
 
@@ -342,7 +351,7 @@ class CheckpointManager:
 
 def _check_options(
     async_mode: str, last_model_only: bool, last_in_hf: bool, initial_model_only: bool, initial_in_hf: bool,
-    hf_path: str,
+    hf_path: str, hf_adapter: HFAdapter[Any] | None,
 ) -> None:  # fmt: skip
     if async_mode not in ASYNC_MODES:
         raise ValueError(f"checkpoint.async_mode={async_mode!r}: expected one of {ASYNC_MODES}")
@@ -355,6 +364,10 @@ def _check_options(
     if initial_in_hf and not hf_path:
         raise ValueError("checkpoint.initial_load_in_hf=true needs a Hugging Face folder; set "
                          "checkpoint.initial_load_path or model.hf_assets_path")  # fmt: skip
+    if (initial_in_hf or last_in_hf) and hf_adapter is None:
+        key = "initial_load_in_hf" if initial_in_hf else "last_save_in_hf"
+        raise ValueError(f"checkpoint.{key}=true needs the model family's Hugging Face adapter; pass "
+                         f"CheckpointManager(..., hf_adapter=models.hf_adapters.hf_adapter(model.name))")  # fmt: skip
 
 
 def _barrier() -> None:

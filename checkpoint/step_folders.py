@@ -9,8 +9,8 @@ import logging
 import re
 from pathlib import Path
 
-from .convert import HF_INDEX_FILE
 from .format import INDEX_FILE, CheckpointError, read_index
+from .hf_conversion import HF_INDEX_FILE
 from .storage import set_aside
 
 logger = logging.getLogger(__name__)

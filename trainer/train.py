@@ -28,6 +28,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from checkpoint.manager import CheckpointManager
 from checkpoint.stateful import ModelState, OptimizerState, RngState, Stateful
+from models.hf_adapters import hf_adapter
 from models.llama3 import TransformerModelArgs
 
 from .build import build_model_and_optimizer
@@ -235,7 +236,8 @@ def build_checkpointer(
     # the trainer's conventions (trainer/checkpointing.py): the weights under "model", a resume point holds
     # "train_state", and weights of a Llama with other architecture args are refused
     folder = Path(cfg.job.dump_folder) / cfg.checkpoint.folder
-    manager = CheckpointManager(folder, states, metadata=metadata, roles=TRAINER_ROLES, **options)
+    manager = CheckpointManager(folder, states, metadata=metadata, roles=TRAINER_ROLES,
+                                hf_adapter=hf_adapter(cfg.model.name), **options)  # fmt: skip
     train_state.step = manager.load()
     return manager
 

@@ -1,8 +1,10 @@
 """The mapping between our Llama 3 and Hugging Face's `LlamaForCausalLM`: parameter names, the
 rotary permutation of the q/k projections, and `config.json` <-> TransformerModelArgs.
 
-Pure functions on single tensors and dicts (imports only torch), so the conversion tool can stream
-a checkpoint one tensor at a time and the mapping is tested without any files.
+Pure functions on single tensors and dicts (imports only torch), so the conversion can stream a
+checkpoint one tensor at a time and the mapping is tested without any files. `LLAMA3_HF_ADAPTER`
+bundles them as the `HFAdapter` (checkpoint/hf_adapter.py) that checkpoint.hf_conversion is handed;
+`models.hf_adapters` finds it by "llama3" or HF's "llama".
 
 The rotary layouts differ: our model (like Meta's reference and torchtitan) rotates consecutive
 channel pairs (2i, 2i+1) of each head by frequency i (a complex multiply); HF's `rotate_half`
@@ -19,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .args import RoPEScalingArgs, TransformerModelArgs, llama3_configs
+from .args import RoPEScalingArgs, TransformerModelArgs, llama3_configs, parameter_shapes
 
 # our FQN (below "model.") <-> HF name; {} is the layer number
 _LAYER_NAMES = {
@@ -98,6 +100,12 @@ def _rotary_heads(fqn: str, args: TransformerModelArgs) -> int | None:
     if fqn.endswith("attention.wk.weight"):
         return args.n_heads if args.n_kv_heads is None else args.n_kv_heads
     return None
+
+
+def rotary_head_dim(fqn: str, args: TransformerModelArgs) -> int | None:
+    """The rows of one head when `fqn` is a rotated projection (wq, wk), whose rows HF permutes within each
+    head; else None."""
+    return None if _rotary_heads(fqn, args) is None else args.head_dim
 
 
 def to_hf_tensor(fqn: str, w: torch.Tensor, args: TransformerModelArgs) -> torch.Tensor:
@@ -271,3 +279,61 @@ def model_args_from_json(raw: dict[str, Any]) -> TransformerModelArgs:
         raise TypeError(f"model_args has unknown fields {unknown}; this meshtrain knows {sorted(fields)}")
     scaling = raw.get("rope_scaling")
     return TransformerModelArgs(**{**raw, "rope_scaling": RoPEScalingArgs(**scaling) if scaling else None})
+
+
+# ---------------------------------------------------------------------------------- adapter
+class Llama3HFAdapter:
+    """Llama 3 <-> `LlamaForCausalLM` as checkpoint.hf_adapter.HFAdapter: this module's functions.
+
+    The methods look the functions up when called (patching a function patches the adapter too)."""
+
+    name = "llama3"
+    hf_architecture = "LlamaForCausalLM"
+    flavors = llama3_configs
+    output_fqn = "output.weight"
+    embedding_fqn = "tok_embeddings.weight"
+    ignored_hf_suffixes = HF_IGNORED_SUFFIXES
+    # config.json gives the FFN width, which these spell in several ways
+    hf_config_ambiguous_args = frozenset({"multiple_of", "ffn_dim_multiplier"})
+
+    def to_hf_name(self, fqn: str) -> str:
+        return to_hf_name(fqn)
+
+    def from_hf_name(self, name: str) -> str:
+        return from_hf_name(name)
+
+    def layer_of(self, fqn: str) -> int | None:
+        return layer_of(fqn)
+
+    def to_hf_tensor(self, fqn: str, w: torch.Tensor, args: TransformerModelArgs) -> torch.Tensor:
+        return to_hf_tensor(fqn, w, args)
+
+    def from_hf_tensor(self, fqn: str, w: torch.Tensor, args: TransformerModelArgs) -> torch.Tensor:
+        return from_hf_tensor(fqn, w, args)
+
+    def rotary_head_dim(self, fqn: str, args: TransformerModelArgs) -> int | None:
+        return rotary_head_dim(fqn, args)
+
+    def permute_from_hf(self, w: torch.Tensor, n_heads: int) -> torch.Tensor:
+        return permute_from_hf(w, n_heads)
+
+    def hf_config(self, args: TransformerModelArgs, *, dtype: str, tie_word_embeddings: bool) -> dict[str, Any]:
+        return hf_config(args, dtype=dtype, tie_word_embeddings=tie_word_embeddings)
+
+    def args_from_hf_config(self, config: dict[str, Any]) -> TransformerModelArgs:
+        return args_from_hf_config(config)
+
+    def closest_flavor(self, args: TransformerModelArgs) -> str:
+        return closest_flavor(args)
+
+    def model_args_to_json(self, args: TransformerModelArgs) -> dict[str, Any]:
+        return model_args_to_json(args)
+
+    def model_args_from_json(self, raw: dict[str, Any]) -> TransformerModelArgs:
+        return model_args_from_json(raw)
+
+    def parameter_shapes(self, args: TransformerModelArgs, *, output: bool | None = None) -> dict[str, tuple[int, ...]]:
+        return parameter_shapes(args, output=output)
+
+
+LLAMA3_HF_ADAPTER = Llama3HFAdapter()

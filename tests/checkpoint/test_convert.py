@@ -16,7 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import checkpoint
-from checkpoint import convert
+from checkpoint import convert, hf_conversion
 from checkpoint.stateful import ModelState
 from models.llama3 import RoPEScalingArgs, Transformer, TransformerModelArgs, llama3_configs, parameter_shapes
 from models.llama3 import hf_adapter as hf
@@ -290,7 +290,7 @@ def test_to_hf_holds_one_shard_and_one_tensor(exported, tmp_path, monkeypatch) -
 
         return wrapper
 
-    monkeypatch.setattr(convert, "read_tensor", tracked(convert.read_tensor))
+    monkeypatch.setattr(hf_conversion, "read_tensor", tracked(hf_conversion.read_tensor))
     monkeypatch.setattr(hf, "to_hf_tensor", tracked(hf.to_hf_tensor))
     assert _run("to-hf", ours, tmp_path / "hf", "--max-shard-size", "30KB") == 0
     largest = 176 * 64 * 4  # w1 / w2 / w3 (fp32)

@@ -18,6 +18,7 @@ from checkpoint.manager import CheckpointManager, committed_steps
 from checkpoint.stateful import ModelState
 from checkpoint.storage import set_aside
 from models.llama3 import Transformer, TransformerModelArgs
+from models.llama3.hf_adapter import LLAMA3_HF_ADAPTER
 from trainer.train_state import TrainState
 
 ARGS = TransformerModelArgs(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=41, multiple_of=16, max_seq_len=8)
@@ -31,6 +32,7 @@ class _Job:
         self.model, self.state = Transformer(ARGS), TrainState()
         meta = {"model_args": dataclasses.asdict(ARGS)}
         states = {"model": ModelState(self.model), "train_state": self.state}
+        options = {"hf_adapter": LLAMA3_HF_ADAPTER, **options}  # as the trainer passes its family's
         self.manager = CheckpointManager(folder, states, keep_latest_k=0, metadata=meta, **options)  # type: ignore[arg-type]
 
     def run(self, steps: int) -> int:
@@ -177,6 +179,8 @@ def test_an_initial_load_in_hf_refuses_a_folder_without_safetensors(tmp_path: Pa
         job.run(0)
     with pytest.raises(ValueError, match="needs a Hugging Face folder; set checkpoint.initial_load_path or model.hf"):
         _Job(tmp_path / "ckpt", initial_load_in_hf=True)
+    with pytest.raises(ValueError, match="initial_load_in_hf=true needs the model family's Hugging Face adapter"):
+        _Job(tmp_path / "ckpt", initial_load_in_hf=True, initial_load_path=str(tmp_path / "hf"), hf_adapter=None)
 
 
 def test_the_caller_names_the_weights_and_the_resume_marker(tmp_path: Path) -> None:

@@ -1,5 +1,6 @@
 """models/llama3/hf_adapter.py without files: names, the rotary permutation against HF's
-rotate_half math, config.json <-> args for every flavor, and Llama 3.1 RoPE scaling."""
+rotate_half math, config.json <-> args for every flavor, Llama 3.1 RoPE scaling, and the adapter object
+that models/hf_adapters.py finds for "llama3" / "llama"."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import math
 import pytest
 import torch
 
+from models.hf_adapters import hf_adapter
 from models.llama3 import RoPEScalingArgs, Transformer, TransformerModelArgs, llama3_configs, parameter_shapes
 from models.llama3 import hf_adapter as hf
 from models.llama3.model import apply_rotary_emb, precompute_freqs_cis, scale_rope_freqs
@@ -159,3 +161,21 @@ def test_unsupported_hf_configs_are_refused_with_the_reason(change: dict, needle
 def test_rope_scaling_args_are_validated() -> None:
     with pytest.raises(ValueError, match="low_freq_factor"):
         RoPEScalingArgs(low_freq_factor=4.0, high_freq_factor=4.0)
+
+
+def test_the_registry_finds_llamas_adapter_by_model_name_and_model_type() -> None:
+    assert hf_adapter("llama3") is hf.LLAMA3_HF_ADAPTER and hf_adapter("llama") is hf.LLAMA3_HF_ADAPTER
+    with pytest.raises(ValueError, match=r"no Hugging Face adapter for 'qwen3': known .* \['llama', 'llama3'\]"):
+        hf_adapter("qwen3")
+
+
+def test_the_adapter_is_the_modules_functions() -> None:
+    adapter, wq = hf.LLAMA3_HF_ADAPTER, "layers.1.attention.wq.weight"
+    assert adapter.name == "llama3" and adapter.flavors is llama3_configs
+    assert adapter.to_hf_name(wq) == hf.to_hf_name(wq) and adapter.from_hf_name(hf.to_hf_name(wq)) == wq
+    assert adapter.to_hf_name(adapter.output_fqn) == "lm_head.weight"
+    assert set(parameter_shapes(ARGS)) >= {adapter.output_fqn, adapter.embedding_fqn}
+    assert adapter.rotary_head_dim(wq, ARGS) == ARGS.head_dim == 16
+    assert adapter.rotary_head_dim("layers.1.attention.wv.weight", ARGS) is None
+    w = torch.randn(2 * 16, 8)  # two whole heads, as a sharded load reads them
+    assert torch.equal(adapter.permute_from_hf(hf.permute_to_hf(w, 2), 2), w)

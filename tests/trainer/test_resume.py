@@ -210,6 +210,7 @@ def _load_hf_rank(argv: list[str], hf_dir: str) -> dict[str, torch.Tensor]:
 
     from checkpoint.manager import CheckpointManager
     from checkpoint.stateful import ModelState
+    from models.llama3.hf_adapter import LLAMA3_HF_ADAPTER
     from parallelisms.dtensor import DTensor
     from trainer.build import build_model_and_optimizer
     from trainer.config import load_config
@@ -222,18 +223,20 @@ def _load_hf_rank(argv: list[str], hf_dir: str) -> dict[str, torch.Tensor]:
     model = build_model_and_optimizer(cfg, runtime, 258)[0]
     meta = {"model_args": dataclasses.asdict(model.model_args)}
     manager = CheckpointManager(Path(hf_dir).parent / "unused", {"model": ModelState(model)}, enable=False,
-                                initial_load_in_hf=True, initial_load_path=hf_dir, metadata=meta)  # fmt: skip
+                                initial_load_in_hf=True, initial_load_path=hf_dir, metadata=meta,
+                                hf_adapter=LLAMA3_HF_ADAPTER)  # fmt: skip
     assert manager.load() == 0
     return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in ModelState(model).state_dict().items()}
 
 
 def test_initial_load_in_hf_fills_every_layout_with_the_converted_weights(tmp_path) -> None:
     """FSDP over 3 ranks cuts wq / wk rows across heads (256 rows: 86, 86, 84), TP by whole heads."""
-    from checkpoint import convert
+    from checkpoint import hf_conversion
+    from models.llama3.hf_adapter import LLAMA3_HF_ADAPTER
 
     job = ["--job.config_file", str(REPO / "configs" / "debug_model.toml"), "--training.seq_len", "64"]
     run_world(_save_initial_weights, 1, [*job, "--training.seed", "7"], str(tmp_path / "source"))
-    convert.to_hf(tmp_path / "source", tmp_path / "hf", flavor="debugmodel")
+    hf_conversion.to_hf(tmp_path / "source", tmp_path / "hf", LLAMA3_HF_ADAPTER, flavor="debugmodel")
     want = _tensors(tmp_path / "source")
     layouts = {"fsdp3": (3, []), "tp2": (2, ["--parallelism.tensor_parallel_degree", "2",
                                               "--parallelism.data_parallel_shard_degree", "1"])}  # fmt: skip
@@ -245,7 +248,8 @@ def test_initial_load_in_hf_fills_every_layout_with_the_converted_weights(tmp_pa
 
 
 def test_first_step_save_hf_last_save_and_load_only_through_the_trainer(tmp_path) -> None:
-    from checkpoint import convert
+    from checkpoint import hf_conversion
+    from models.llama3.hf_adapter import LLAMA3_HF_ADAPTER
 
     argv = [a for a in _JOB if a not in ("--checkpoint.last_save_model_only", "false")]
     argv[argv.index("--training.steps") + 1] = "2"
@@ -255,7 +259,7 @@ def test_first_step_save_hf_last_save_and_load_only_through_the_trainer(tmp_path
     run_world(_train_rank, 2, argv)
     folder = tmp_path / "checkpoint"
     assert sorted(p.name for p in folder.iterdir()) == ["step-1", "step-2-hf"]
-    config = convert.hf_model_metadata(folder / "step-2-hf")[1]
+    config = hf_conversion.hf_model_metadata(folder / "step-2-hf", LLAMA3_HF_ADAPTER)[1]
     assert config["job_config"]["model"]["flavor"] == "debugmodel"
     argv[argv.index("--training.steps") + 1] = "3"
     lines = run_world(_train_rank, 2, [*argv, "--checkpoint.load_only"])[0]
