@@ -1,7 +1,7 @@
 """How a Llama 3 model is parallelized: the TP/SP plan, context parallelism, activation checkpointing,
 torch.compile, FSDP or DDP.
 
-Order (DESIGN.md section 4, torchtitan's): tensor/sequence parallel plan -> context parallel attention ->
+Order (docs/architecture.md §4, torchtitan's): tensor/sequence parallel plan -> context parallel attention ->
 activation checkpointing ->
 per-block torch.compile -> fully_shard per block, then the embeddings, then the final norm and output,
 then the root; or, for pure data parallelism, `replicate` (DDP) of the whole model.

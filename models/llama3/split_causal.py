@@ -8,7 +8,7 @@ That is 3/4 of the kernel's work; halving the diagonal blocks again (`split_leve
 results for a row merge by their log-sum-exp; the backward runs the kernel's own backward on each block given
 the merged output and log-sum-exp, which is exact per block. These are ring attention's block kernels and
 merge (parallelisms/context_parallel: kernels.py, merge.py) written again for the CPU case on purpose: model
-code never imports parallelisms (DESIGN.md), and the merge here works on views of the rows' blocks.
+code never imports parallelisms (docs/architecture.md §1), and the merge here works on views of the rows' blocks.
 Beyond 512 tokens the kernel skips whole masked key blocks itself and the split stops paying (measured at
 1,024 - 8,192), so `causal_attention` splits only in the range it measured.
 """

@@ -85,8 +85,8 @@ def test_fake_tensors_and_the_model_entry_point() -> None:
 
 
 def test_model_code_imports_no_parallelisms() -> None:
-    """DESIGN.md: models/*/model.py never imports parallelisms (split_causal.py included), checked in a fresh
-    interpreter so this session's imports do not hide it."""
+    """docs/architecture.md §1: models/*/model.py never imports parallelisms (split_causal.py included), checked
+    in a fresh interpreter so this session's imports do not hide it."""
     import subprocess
     import sys
 

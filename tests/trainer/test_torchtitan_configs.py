@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from tests.trainer.test_tokenizer import write_tiny_tokenizer
-from trainer.config import _resolve, load_config
+from trainer.config import load_config
+from trainer.config.loading import _resolve
 from trainer.config.sections import JobConfig
 from trainer.preflight import check_config
 

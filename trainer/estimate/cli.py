@@ -83,7 +83,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--world_size", type=int, required=True, help="ranks of the job (NGPU x NNODES)")
     parser.add_argument("--device", required=True, help="a100, h100, h200, b200 or cpu")
     parser.add_argument("--search", action="store_true", help="rank layouts for this model and world size")
-    parser.add_argument("--json", action="store_true", help="print DESIGN.md §7's JSON object")
+    parser.add_argument("--json", action="store_true", help="print docs/architecture.md §7's JSON object")
     parser.add_argument("--memory_margin", type=float, default=0.1, help="device memory kept free (fraction)")
     parser.add_argument("--top", type=int, default=5, help="--search: how many layouts to print")
     parser.add_argument(

@@ -6,7 +6,7 @@ the trainer's own recipe under the config's degrees and runs one training step o
 PP the first and the last stage are traced, each on its first rank, and the step is the slower's. It
 reports memory per rank by category and its peak (trainer.estimate.live_bytes), the collectives by kind and
 mesh dim, the FLOPs, and a step time, tok/s per device and MFU (trainer.estimate.pricing on the tables of
-trainer.estimate.devices). `--json` prints DESIGN.md §7's object; `--search` ranks layouts (trainer.estimate.search).
+trainer.estimate.devices), as docs/architecture.md §7's object. trainer.estimate.search ranks layouts by it.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ class Estimate:
         return self.tokens_per_s_per_device * self.trace.flops_per_token / (self.device.peak_tflops * 1e12)
 
     def as_json(self) -> dict[str, Any]:
-        """DESIGN.md §7's object (extra keys beside the contract's: detail, never in place of it)."""
+        """docs/architecture.md §7's object (extra keys beside the contract's: detail, never in place of it)."""
         d = self.dims
         model_flops = self.trace.flops_per_token * self.trace.local_tokens / d.non_data_parallel_size
         return {

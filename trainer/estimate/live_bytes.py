@@ -67,8 +67,8 @@ class MemoryReport:
     reserved: int
 
     def as_dict(self) -> dict[str, int]:
-        """DESIGN.md §7's memory_bytes: the categories at the peak (unsharded params count as params in flight
-        under "params_unsharded"; the contract's six keys plus the peak)."""
+        """docs/architecture.md §7's memory_bytes: the categories at the peak (unsharded params count as params in
+        flight under "params_unsharded"; the contract's six keys plus the peak)."""
         return {**self.at_peak, "peak": self.peak}
 
 
