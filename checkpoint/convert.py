@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from .format import read_index
-from .hf_adapter import HFAdapter
+from .hf_adapter_protocol import HFAdapter
 from .hf_conversion import HF_CONFIG_FILE, from_hf, to_hf
 from .inspection import inspect_checkpoint
 

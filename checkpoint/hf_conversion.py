@@ -2,7 +2,7 @@
 (the library under `python -m checkpoint.convert`) and the reading of an HF folder.
 
 The family's part (names, layout transforms, `config.json`, flavors) is the `HFAdapter` the caller
-hands in (checkpoint/hf_adapter.py); this module never imports a model. The export streams: tensors
+hands in (checkpoint/hf_adapter_protocol.py); this module never imports a model. The export streams: tensors
 are assembled one at a time from their saved chunks (`read_tensor`), converted and appended to the
 output shard, which is written when the next tensor would overflow `max_shard_size`. So it holds one
 shard plus one tensor, whatever the model's size. Both directions write into `OUT.tmp-<id>/` and rename
@@ -25,7 +25,7 @@ from safetensors import safe_open
 
 from .distributed import save
 from .format import DTYPES, CheckpointError, Index, read_index
-from .hf_adapter import ArgsT, HFAdapter
+from .hf_adapter_protocol import ArgsT, HFAdapter
 from .reader import read_tensor
 from .storage import commit, temporary_dir, write_durable, write_safetensors
 

@@ -1,6 +1,6 @@
 """The trainer's live model <-> Hugging Face safetensors folders (`checkpoint.initial_load_in_hf`,
 `checkpoint.last_save_in_hf`), on `checkpoint.hf_conversion` and the model family's `HFAdapter`, which
-the caller hands in (checkpoint/hf_adapter.py; Llama's is models/llama3/hf_adapter.py).
+the caller hands in (checkpoint/hf_adapter_protocol.py; Llama's is models/llama3/hf_adapter.py).
 
 Loading maps names and the layout transforms at load time: every rank reads, with safetensors'
 mmap slices, only the box of each tensor its shard holds (for a tensor whose rows HF permutes within
@@ -29,7 +29,7 @@ from parallelisms.dtensor import DTensor
 
 from .distributed import save
 from .format import CheckpointError
-from .hf_adapter import ArgsT, HFAdapter
+from .hf_adapter_protocol import ArgsT, HFAdapter
 from .hf_conversion import HF_CONFIG_FILE, HF_INDEX_FILE, hf_model_metadata, hf_weight_files, to_hf
 
 logger = logging.getLogger(__name__)

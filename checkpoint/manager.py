@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from .distributed import async_save, load, save
 from .format import CheckpointError, read_index
-from .hf_adapter import HFAdapter
+from .hf_adapter_protocol import HFAdapter
 from .hf_state import check_hf_folder, hf_job_model_args, load_hf_model, save_hf_model
 from .stateful import Stateful
 from .step_folders import LOADABLE, StepKind, clear_way, committed_steps, report_passed_over, step_folders, step_kind
@@ -63,7 +63,7 @@ class CheckpointManager:
     `hf_assets_path` (model.hf_assets_path, the Hugging Face folder `initial_load_in_hf` reads when
     `initial_load_path` is "") and `metadata` (saved with every checkpoint; `roles.compatible` compares it
     with the metadata of any weights loaded; an HF load reads its "model_args"), `roles`: what the states
-    mean (StateRoles), and `hf_adapter`: the model family's Hugging Face adapter (checkpoint/hf_adapter.py;
+    mean (StateRoles), and `hf_adapter`: the model family's Hugging Face adapter (checkpoint/hf_adapter_protocol.py;
     the caller looks it up, e.g. `models.hf_adapters.hf_adapter(model.name)`), needed by `initial_load_in_hf`
     and `last_save_in_hf`. `enable_ft_dataloader_checkpoints` and `initial_load_in_hf_quantized` are accepted and
     ignored: fault tolerance does not exist here, the pre-flight refuses the other.

@@ -1,4 +1,4 @@
-"""The registry of Hugging Face adapters: a model family's `HFAdapter` (checkpoint/hf_adapter.py) by our
+"""The registry of Hugging Face adapters: a model family's `HFAdapter` (checkpoint/hf_adapter_protocol.py) by our
 `model.name` or by HF's `config.json` `model_type`. The application layer (the trainer, `python -m
 checkpoint.convert`) looks an adapter up here and hands it to the checkpoint package, which never
 imports a family. Adding a family is adding its adapter and its names here."""
@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from .llama3.hf_adapter import LLAMA3_HF_ADAPTER
 
 if TYPE_CHECKING:
-    from checkpoint.hf_adapter import HFAdapter
+    from checkpoint.hf_adapter_protocol import HFAdapter
 
 # our model.name and HF's model_type -> the family's adapter
 _ADAPTERS: dict[str, HFAdapter[Any]] = {

@@ -3,7 +3,7 @@ rotary permutation of the q/k projections, and `config.json` <-> TransformerMode
 
 Pure functions on single tensors and dicts (imports only torch), so the conversion can stream a
 checkpoint one tensor at a time and the mapping is tested without any files. `LLAMA3_HF_ADAPTER`
-bundles them as the `HFAdapter` (checkpoint/hf_adapter.py) that checkpoint.hf_conversion is handed;
+bundles them as the `HFAdapter` (checkpoint/hf_adapter_protocol.py) that checkpoint.hf_conversion is handed;
 `models.hf_adapters` finds it by "llama3" or HF's "llama".
 
 The rotary layouts differ: our model (like Meta's reference and torchtitan) rotates consecutive
@@ -283,7 +283,7 @@ def model_args_from_json(raw: dict[str, Any]) -> TransformerModelArgs:
 
 # ---------------------------------------------------------------------------------- adapter
 class Llama3HFAdapter:
-    """Llama 3 <-> `LlamaForCausalLM` as checkpoint.hf_adapter.HFAdapter: this module's functions.
+    """Llama 3 <-> `LlamaForCausalLM` as checkpoint.hf_adapter_protocol.HFAdapter: this module's functions.
 
     The methods look the functions up when called (patching a function patches the adapter too)."""
 

@@ -8,7 +8,7 @@ state.py        FSDPState: the training state machine (IDLE / FORWARD / PRE_BACK
 api.py          fully_shard, FSDPModule
 """
 
-from .api import FSDPModule, fully_shard, precompute_all_gather_scales
+from .fsdp_module import FSDPModule, fully_shard, precompute_all_gather_scales
 from .policy import MixedPrecisionPolicy
 
 __all__ = ["FSDPModule", "MixedPrecisionPolicy", "fully_shard", "precompute_all_gather_scales"]

@@ -26,7 +26,7 @@ import torch
 from parallelisms.dtensor import DeviceMesh
 from parallelisms.dtensor.collectives import InFlight
 
-from .collectives import FlatBuffers
+from .flat_buffers import FlatBuffers
 from .param import FSDPParam
 from .policy import MixedPrecisionPolicy
 

@@ -1,8 +1,8 @@
 """Tensor and sequence parallelism on meshtrain's DTensor; names and defaults mirror torch's tensor parallel API."""
 
-from .api import parallelize_module
 from .input_reshard import input_reshard
 from .loss_parallel_context import loss_parallel
+from .plan import parallelize_module
 from .style import (
     ColwiseParallel,
     ParallelStyle,

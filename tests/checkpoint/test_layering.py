@@ -1,5 +1,5 @@
 """The checkpoint package knows no model family: no module under checkpoint/ but the `convert` CLI imports
-`models` (the adapter is handed in, checkpoint/hf_adapter.py), convert only inside a function (never when
+`models` (the adapter is handed in, checkpoint/hf_adapter_protocol.py), convert only inside a function (never when
 imported), and no library module imports the CLI. Checked on the source with `ast`, every import statement
 (inside functions too)."""
 

@@ -29,7 +29,8 @@ from ..preflight import build_parallel_dims, check_config
 from ..runtime import build_runtime, resolve_precision
 from .devices import Device, gpus_per_node
 from .pricing import StepTime, pipeline_stretch, price_step
-from .trace import StepTrace, trace_step_sampled
+from .sampling import trace_step_sampled
+from .trace import StepTrace
 
 logger = logging.getLogger(__name__)
 

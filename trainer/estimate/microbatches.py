@@ -1,5 +1,5 @@
 """Which pipeline microbatch counts the estimator traces instead of the step's own: two smaller counts whose
-traces give the real one's by a line (`estimate_step._affine_trace`), chosen from the rank's own action list
+traces give the real one's by a line (`sampling._affine_trace`), chosen from the rank's own action list
 (no process runs, no simulation: the in-flight counts on a rank depend only on its order of actions).
 
 Every count of a pipeline step grows by the same amount with each microbatch: its forwards, backwards and

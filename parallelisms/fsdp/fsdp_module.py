@@ -17,7 +17,7 @@ import torch.nn as nn
 from parallelisms.dtensor import DeviceMesh, DTensor, Replicate, Shard, init_device_mesh
 from parallelisms.module_class import with_mixin
 
-from .collectives import precompute_scales
+from .flat_buffers import precompute_scales
 from .group import ParamGroup
 from .param import FSDPParam
 from .policy import MixedPrecisionPolicy
