@@ -61,10 +61,10 @@ class PendingPass:
     sent: torch.Tensor  # referenced until the send completes: the backend reads it
     received: torch.Tensor
     works: list[Any]
+    group: dist.ProcessGroup
 
     def wait(self) -> torch.Tensor:
-        for work in self.works:
-            work.wait()
+        collectives.wait_point_to_point(self.works, self.group, "a ring attention pass")
         return self.received
 
 
@@ -76,4 +76,4 @@ def start_pass(tensor: torch.Tensor, ring: RingGroup) -> PendingPass:
         dist.P2POp(dist.isend, sent, ring.next_peer, ring.group),
         dist.P2POp(dist.irecv, received, ring.prev_peer, ring.group),
     ]
-    return PendingPass(sent, received, dist.batch_isend_irecv(ops))
+    return PendingPass(sent, received, dist.batch_isend_irecv(ops), ring.group)

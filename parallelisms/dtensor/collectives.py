@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -244,8 +245,35 @@ def exchange(
     ops = [dist.P2POp(dist.isend, wait_all(t).contiguous(), group=group, group_peer=peer) for peer, t in sends]
     ops += [dist.P2POp(dist.irecv, buffer, group=group, group_peer=peer) for peer, buffer in receives]
     if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+        wait_point_to_point(dist.batch_isend_irecv(ops), group, "a halo exchange")
+
+
+def group_timeout(group: ProcessGroup) -> timedelta | None:
+    """The group's collective timeout as it stands now (`_set_pg_timeout` moves it: the trainer sets
+    comm.train_timeout_seconds after the first step); None where the backend keeps no options (the fake one)."""
+    for device in group._device_types:
+        timeout = getattr(getattr(group._get_backend(device), "options", None), "_timeout", None)
+        if isinstance(timeout, timedelta):
+            return timeout
+    return None
+
+
+def wait_point_to_point(works: list[Any], group: ProcessGroup, what: str) -> None:
+    """Wait for posted sends and receives within the group's timeout. gloo's point-to-point works wait, unless
+    told otherwise, on the timeout the group was created with (comm.init_timeout_seconds), not the one it has
+    now: a hung peer would be found minutes late. A transfer past its bound raises TimeoutError naming it."""
+    timeout = group_timeout(group)
+    for work in works:
+        try:
+            work.wait() if timeout is None else work.wait(timeout)
+        except RuntimeError as error:
+            if "Timed out" not in str(error):
+                raise
+            seconds = timeout.total_seconds() if timeout is not None else float("nan")
+            raise TimeoutError(
+                f"{what} did not complete within {seconds:.0f} s (the group's timeout: comm.train_timeout_seconds "
+                f"after the first step, comm.init_timeout_seconds before it): a peer rank is hung or gone"
+            ) from error
 
 
 def all_gather_object(obj: object, group: ProcessGroup) -> list[object]:

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from parallelisms.dtensor.collectives import wait_point_to_point
+
 from .stage import BoundaryMeta
 
 
@@ -26,12 +28,13 @@ class _Posted:
     """One posted batch: waiting on any of its transfers waits for all of them (NCCL may return one work)."""
 
     works: list[Any] = field(default_factory=list)
+    group: dist.ProcessGroup | None = None  # the pp group, once posted
     done: bool = False
 
     def wait(self) -> None:
         if not self.done:
-            for work in self.works:
-                work.wait()
+            assert self.group is not None, "waiting on a batch that was never posted"
+            wait_point_to_point(self.works, self.group, "a pipeline stage's send or receive")
             self.done = True
 
     def completed(self) -> bool:
@@ -87,6 +90,7 @@ class Transfers:
         if not self._ops:
             return
         self._batch.works = list(dist.batch_isend_irecv(self._ops))
+        self._batch.group = self._ops[0].group
         # the fake backend (the dry-run estimator's) moves nothing: a posted batch is complete, as NCCL reports it
         self._batch.done = all(dist.get_backend(op.group) == "fake" for op in self._ops)
         self._ops, self._batch = [], _Posted()

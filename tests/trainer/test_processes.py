@@ -229,3 +229,33 @@ def test_sigterm_to_the_launcher_saves_a_last_checkpoint_and_exits_143_with_one_
         assert f"SIGTERM: stopping after step {steps[0]}, its checkpoint saved" in out, out[-3000:]
     finally:
         job.kill()
+
+
+# ------------------------------------------------------------- a hung rank under point-to-point transfers
+_POINT_TO_POINT = {
+    "pp2": ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"],
+    "cp2_ring": ["--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
+                 "--parallelism.context_parallel_rotate_method", "alltoall"],
+}  # fmt: skip
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("layout", list(_POINT_TO_POINT))
+def test_a_hung_rank_fails_the_job_at_the_train_timeout_under_point_to_point(tmp_path: Path, layout: str) -> None:
+    """SIGSTOP of one rank after the first steps. Before: gloo's sends and receives waited on the timeout their
+    group was made with (comm.init_timeout_seconds, 300 s) and ignored comm.train_timeout_seconds."""
+    args = [*TRAIN_ARGS, *_POINT_TO_POINT[layout], "--comm.train_timeout_seconds", "5",
+            "--comm.init_timeout_seconds", "600", "--job.dump_folder", str(tmp_path)]  # fmt: skip
+    job = Job(args, NGPU="2")
+    try:
+        job.wait_for("step 3 |", timeout=180)  # the train timeout holds from the second step on
+        os.kill(job.ranks[-1], signal.SIGSTOP)
+        start = time.monotonic()
+        assert job.wait(timeout=120) != 0, job.output[-3000:]
+        assert time.monotonic() - start < 60, job.output[-3000:]
+        assert "did not complete within 5 s" in job.output, job.output[-3000:]
+    finally:
+        for pid in job.ranks:
+            if alive(pid):
+                os.kill(pid, signal.SIGCONT)
+        job.kill()
