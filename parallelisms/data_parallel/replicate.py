@@ -93,12 +93,24 @@ class ReplicateState:
     """The reducer of one `replicate`d module: its buckets, their launch order and the rebuild."""
 
     def __init__(self, module: nn.Module, group: dist.ProcessGroup, bucket_cap_bytes: int) -> None:
-        self.module, self.group, self.bucket_cap_bytes = module, group, bucket_cap_bytes
+        # held weakly, as DeviceMesh holds its groups: a model that outlives destroy_process_group() must not
+        # keep the group alive into interpreter exit, where gloo's workers can abort the process
+        self._group, self.module, self.bucket_cap_bytes = weakref.ref(group), module, bucket_cap_bytes
         self.requires_gradient_sync = True
         self.all_reduces = 0  # launched all-reduces, for tests and the estimator
         self._in_backward = False
         self.params: list[nn.Parameter] = []
         self.track_parameters()
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        group = self._group()
+        if group is None:
+            raise RuntimeError(
+                "replicate's process group was destroyed (dist.destroy_process_group()); the module cannot "
+                "reduce gradients any more: replicate a model again in a live process group"
+            )
+        return group
 
     def track_parameters(self) -> bool:
         """Keep the gradient hooks on the module's current parameters; returns whether they changed.
