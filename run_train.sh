@@ -2,7 +2,7 @@
 # Launch training with torchrun (trainer.launch: torchrun with a one-error failure summary). Every variable has a default, so `./run_train.sh` alone trains the
 # debug model: on all local GPUs, or on 2 CPU ranks (gloo) when there is none.
 #   NGPU           processes per node (default: GPU count, or 2 without GPUs)
-#   CONFIG_FILE    TOML job config (default: ./configs/debug_model.toml)
+#   CONFIG_FILE    TOML job config (default: this checkout's configs/debug_model.toml)
 #   LOG_RANK       ranks whose output is shown, e.g. 0 or 0,1 (default: 0)
 #   NNODES, NODE_RANK, RDZV_ENDPOINT   multi-node rendezvous (host:port of node 0)
 #   MAX_RESTARTS   torchrun restarts the job this many times after a failure (default 0); with
@@ -11,9 +11,15 @@
 # Extra arguments override the config: ./run_train.sh --training.steps 20
 # --estimate: the dry run instead (python -m trainer.estimate, world size NGPU x NNODES): ./run_train.sh --estimate --device h100
 set -euo pipefail
-cd "$(dirname "$0")"
-for arg in "$@"; do  # every section and key with its type, default and doc; nothing is launched
-  if [ "$arg" = "--help" ] || [ "$arg" = "-h" ]; then exec python -m trainer.preflight --help; fi
+# Relative paths (in the arguments and the config: data, tokenizer, dump folder, a CSV schedule) are the
+# caller's: the script stays in the caller's directory and runs this checkout's code from wherever it is called.
+REPO="$(cd "$(dirname "$0")" && pwd)"
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+for arg in "$@"; do  # every section and key with its type, default and doc (and the dry run's flags); nothing runs
+  if [ "$arg" = "--help" ] || [ "$arg" = "-h" ]; then
+    if [[ " $* " == *" --estimate "* ]]; then exec python -m trainer.estimate --help; fi
+    exec python -m trainer.preflight --help
+  fi
 done
 # GPUs per node, without importing torch (5-15 s): nvidia-smi's list, narrowed to CUDA_VISIBLE_DEVICES
 # when it is set (CUDA stops at the first invalid entry, e.g. -1); 0 when there is none.
@@ -35,7 +41,7 @@ count_gpus() {
 }
 GPUS_HERE=$(count_gpus)
 NGPU=${NGPU:-$((GPUS_HERE > 0 ? GPUS_HERE : 2))}  # 2 CPU ranks (gloo) without GPUs
-CONFIG_FILE=${CONFIG_FILE:-"./configs/debug_model.toml"}
+CONFIG_FILE=${CONFIG_FILE:-"$REPO/configs/debug_model.toml"}
 LOG_RANK=${LOG_RANK:-0}
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}

@@ -285,18 +285,23 @@ def test_unreachable_hub_fails_in_seconds() -> None:
 # ------------------------------------------------------------------------------------------- e2e
 @pytest.mark.e2e
 def test_run_train_on_a_tokenizer_json_and_jsonl_folder(tmp_path: Path) -> None:
-    """./run_train.sh on 2 ranks with a BPE tokenizer.json, a JSON-lines folder and model.vocab_size 2048."""
+    """./run_train.sh on 2 ranks with a BPE tokenizer.json, a JSON-lines folder and model.vocab_size 2048, called
+    from another folder with every path relative to it: the config file, the tokenizer, the data and the dump
+    folder are the caller's (before, run_train.sh changed into the repository, where none of them existed)."""
     tokenizer = write_tiny_tokenizer(tmp_path / "tokenizer", config={"bos_token": "<|begin_of_text|>",
                                                                      "eos_token": "<|end_of_text|>"})  # fmt: skip
-    data = _write_jsonl(tmp_path / "c4_test" / "data.json", DOCS * 5).parent
+    _write_jsonl(tmp_path / "c4_test" / "data.json", DOCS * 5)
+    (tmp_path / "job.toml").write_text((REPO / "configs" / "debug_model.toml").read_text())
     env = {k: v for k, v in os.environ.items() if k not in ("LOG_RANK", "CONFIG_FILE")}
-    env["NGPU"] = str(torch.cuda.device_count() or 2)
+    env.update(NGPU=str(torch.cuda.device_count() or 2), CONFIG_FILE="job.toml")
     args = [
-        "--model.tokenizer_path", str(tokenizer.parent), "--training.dataset_path", str(data),
+        "--model.tokenizer_path", tokenizer.parent.name, "--training.dataset_path", "c4_test",
         "--model.vocab_size", "2048", "--training.steps", "3", "--training.seq_len", "64",
-        "--lr_scheduler.warmup_steps", "0", "--job.dump_folder", str(tmp_path / "out"),
+        "--lr_scheduler.warmup_steps", "0", "--job.dump_folder", "out",
     ]  # fmt: skip
-    run = subprocess.run(["./run_train.sh", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    run = subprocess.run([str(REPO / "run_train.sh"), *args], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=300)  # fmt: skip
+    assert (tmp_path / "out" / "config.toml").is_file(), (run.stdout + run.stderr)[-3000:]
     output = run.stdout + run.stderr
     assert run.returncode == 0, output[-3000:]
     step_lines = [line for line in output.splitlines() if "INFO trainer.metrics: step " in line]  # not the summary

@@ -297,6 +297,35 @@ def test_degrees_that_do_not_multiply_to_the_world_and_unknown_devices_fail_with
     assert done.returncode == 2 and "--every_block is for one estimate" in done.stderr
 
 
+def test_the_dry_run_s_own_flags_out_of_range_fail_before_any_work() -> None:
+    """Before: --top 0 ran the whole search and printed nothing; --memory_margin -5 said "fits with a -500% margin"."""
+    for flags, message in (
+        (("--search", "--top", "0"), "--top 0: how many of --search's layouts to print, >= 1"),
+        (("--memory_margin", "-5"), "--memory_margin -5.0: the fraction of device memory kept free, in [0, 1)"),
+        (("--memory_margin", "1"), "in [0, 1)"),
+    ):
+        done = run_estimate("--world_size", "2", "--device", "h100", *flags)
+        assert done.returncode == 2 and message in done.stderr, (flags, done.stderr[-2000:])
+
+
+@pytest.mark.parametrize("ngpu", ["0", "abc", "-8"])
+def test_a_bad_ngpu_is_named(monkeypatch: pytest.MonkeyPatch, ngpu: str) -> None:
+    """Before: NGPU=0 crashed the dry run with ZeroDivisionError; NGPU=abc gave an error without the name."""
+    from trainer.estimate.devices import gpus_per_node
+
+    monkeypatch.setenv("NGPU", ngpu)
+    with pytest.raises(ValueError, match=rf"NGPU='{ngpu}': the GPUs per node must be a positive whole number"):
+        gpus_per_node()
+
+
+def test_run_train_estimate_help_shows_the_dry_run_s_flags() -> None:
+    done = subprocess.run(["./run_train.sh", "--estimate", "--help"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    for flag in ("--world_size", "--device", "--search", "--json", "--memory_margin", "./run_train.sh --help"):
+        assert flag in done.stdout, (flag, done.stdout)
+
+
 def test_search_ranks_fitting_layouts_best_first_with_their_overrides() -> None:
     done = run_estimate("--world_size", "2", "--device", "h100", "--search", "--json", "--top", "20")
     assert done.returncode == 0, done.stderr[-3000:]

@@ -365,7 +365,7 @@ class Comm:
 @dataclass(kw_only=True)
 class MemoryEstimation:
     enable: bool = False
-    """Estimate memory with a dry run before training: the estimator does not exist yet (false only)."""
+    """Estimate memory before training: the dry run is its own command, `./run_train.sh --estimate` (false only)."""
     disable_fake_mode: bool = False
     """Run the estimate on real tensors (only with enable)."""
 

@@ -79,13 +79,17 @@ def format_candidates(found: list[tuple[Estimate, list[str]]], cfg: JobConfig, *
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(prog="python -m trainer.estimate", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m trainer.estimate", description=__doc__.split("\n\n")[0],
+        epilog="Every key of the job config is taken too (--section.key value, --job.config_file F): "
+        "`./run_train.sh --help` lists them. NGPU (GPUs per node, default 8) places the ranks on nodes.",
+    )  # fmt: skip
     parser.add_argument("--world_size", type=int, required=True, help="ranks of the job (NGPU x NNODES)")
     parser.add_argument("--device", required=True, help="a100, h100, h200, b200 or cpu")
     parser.add_argument("--search", action="store_true", help="rank layouts for this model and world size")
     parser.add_argument("--json", action="store_true", help="print docs/architecture.md §7's JSON object")
-    parser.add_argument("--memory_margin", type=float, default=0.1, help="device memory kept free (fraction)")
-    parser.add_argument("--top", type=int, default=5, help="--search: how many layouts to print")
+    parser.add_argument("--memory_margin", type=float, default=0.1, help="device memory kept free, in [0, 1)")
+    parser.add_argument("--top", type=int, default=5, help="--search: how many layouts to print (>= 1)")
     parser.add_argument(
         "--every_block", action="store_true",
         help="trace every block, not two short samples: the same live bytes, collectives and FLOPs (exact on a line), "
@@ -95,14 +99,24 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return parser.parse_known_args(argv)
 
 
+def check_flags(args: argparse.Namespace) -> None:
+    """The dry run's own flags in range, before any work (the config's keys are the pre-flight's)."""
+    if args.world_size < 1:
+        raise ValueError(f"--world_size {args.world_size}: expected a positive number of ranks")
+    if not 0 <= args.memory_margin < 1:
+        raise ValueError(f"--memory_margin {args.memory_margin}: the fraction of device memory kept free, in [0, 1)")
+    if args.top < 1:
+        raise ValueError(f"--top {args.top}: how many of --search's layouts to print, >= 1")
+
+
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.WARNING, format=LOG_FORMAT)
     logging.getLogger("trainer.estimate.search").setLevel(logging.INFO)  # --search's progress, on stderr
     try:
         device = lookup_device(args.device)
-        if args.world_size < 1:
-            raise ValueError(f"--world_size {args.world_size}: expected a positive number of ranks")
+        check_flags(args)
+        gpus_per_node()  # NGPU, read when the layout is placed on nodes: checked before any work
         cfg = load_config(overrides)
         if args.search and args.every_block:
             raise ValueError(

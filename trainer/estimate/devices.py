@@ -52,5 +52,9 @@ def lookup_device(name: str) -> Device:
 
 
 def gpus_per_node() -> int:
-    """GPUs per node: the NGPU environment variable run_train.sh uses (default 8)."""
-    return int(os.environ.get("NGPU", "8") or 8)
+    """GPUs per node: the NGPU environment variable run_train.sh uses (default 8). ValueError, naming NGPU, when it
+    is not a positive whole number."""
+    raw = os.environ.get("NGPU", "") or "8"
+    if not raw.strip().isdigit() or int(raw) < 1:
+        raise ValueError(f"NGPU={raw!r}: the GPUs per node must be a positive whole number (e.g. NGPU=8), or unset")
+    return int(raw)
