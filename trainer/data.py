@@ -26,6 +26,7 @@ document fails at the first fetch, since it could never fill a window.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -326,14 +327,27 @@ class TokenBatches:
 
 
 # ------------------------------------------------------------------------------ document sources
-def _reader(dataset: Any, field: str, where: str, *, strip: bool) -> DocumentSource:
-    """Documents of a streaming `datasets.IterableDataset`, their text in `field`."""
+def _reader(
+    dataset: Any, field: str, where: str, *, strip: bool, locate: Callable[[], str] = lambda: "a file"
+) -> DocumentSource:
+    """Documents of a streaming `datasets.IterableDataset`, their text in `field`. A file the reader cannot
+    decode (pyarrow's ArrowInvalid, a UnicodeDecodeError) fails naming the key and `locate()`'s file and line."""
     features = getattr(dataset, "features", None)  # known up front for parquet and most JSON
     if features and field not in features:  # none ({}): JSON of blank lines, refused once read as empty
         raise _missing_field(field, list(features), where)
 
+    def examples(skip: int) -> Iterator[dict[str, Any]]:
+        it = iter(dataset.skip(skip) if skip else dataset)
+        while True:
+            try:
+                yield next(it)
+            except StopIteration:
+                return
+            except (ValueError, OSError) as e:  # the readers' own errors name neither the file nor the key
+                raise ValueError(f"{where}: {locate()}; the reader said: {e}. Fix or remove it") from e
+
     def read(skip: int) -> Iterator[str]:
-        for example in dataset.skip(skip) if skip else dataset:
+        for example in examples(skip):
             if field not in example:
                 raise _missing_field(field, list(example), where)
             text = example[field]
@@ -357,10 +371,13 @@ def local_documents(dataset_path: str, text_field: str, key: str = "training.dat
 
     builder, files = resolve_data_files(dataset_path, key)
     options = {"sample_by": "paragraph"} if builder == "text" else {}
+    where = f"{key}={dataset_path!r}"
     try:
         dataset = datasets.load_dataset(
             builder, data_files=[str(p) for p in files], split="train", streaming=True, **options
         )
+    except (ValueError, OSError) as e:  # the JSON builder's schema probe read a malformed row
+        raise ValueError(f"{where}: {first_unreadable(files, builder)}; the reader said: {e}. Fix or remove it") from e
     except StopIteration:  # the JSON builder's schema probe found no rows (it says nothing itself)
         raise ValueError(
             f"{key}={dataset_path!r}: {[str(p) for p in files[:3]]} hold no JSON rows to read; point {key} at "
@@ -368,7 +385,36 @@ def local_documents(dataset_path: str, text_field: str, key: str = "training.dat
         ) from None
     logger.info("dataset_path %s: %d %s file(s), streamed", dataset_path, len(files), builder)
     field = "text" if builder == "text" else text_field  # the text builder's one column
-    return _reader(dataset, field, f"{key}={dataset_path!r}", strip=builder == "text")
+    return _reader(dataset, field, where, strip=builder == "text", locate=lambda: first_unreadable(files, builder))
+
+
+def first_unreadable(files: list[Path], builder: str) -> str:
+    """The first file and line that is not UTF-8 text (or, for JSON lines, not a JSON value), for an error message
+    (read only once a reader has failed); the files themselves when none is found."""
+    for path in files:
+        if builder not in ("text", "json"):
+            break
+        raw = path.read_bytes()
+        if builder == "json" and _whole_json(raw):
+            continue
+        for number, line in enumerate(raw.split(b"\n"), 1):
+            try:
+                text = line.decode("utf-8")
+                if builder == "json" and text.strip():
+                    json.loads(text)
+            except UnicodeDecodeError as e:
+                return f"{path}, line {number}, is not UTF-8 text ({e.reason} at byte {e.start} of the line)"
+            except json.JSONDecodeError as e:
+                return f"{path}, line {number}, is not a JSON value ({e.msg}, column {e.colno})"
+    return f"one of {[str(p) for p in files[:3]]}{' ...' if len(files) > 3 else ''} cannot be read"
+
+
+def _whole_json(raw: bytes) -> bool:
+    try:
+        json.loads(raw)
+        return True
+    except ValueError:
+        return False
 
 
 def check_hub_reachable(name: str, endpoint: str) -> None:

@@ -62,7 +62,13 @@ def build_held_out_windows(
     if dataset_path:
         documents = local_documents(dataset_path, text_field, key="validation.dataset_path")
         stream = DocumentStream(documents, tokenizer, name=dataset_path)
-        return StreamedWindows(stream, seq_len=seq_len, global_batch_size=1)
+        windows = StreamedWindows(stream, seq_len=seq_len, global_batch_size=1)
+        if next(one_pass(windows), None) is None:  # at start, not at the first validation validation.freq steps in
+            raise ValueError(
+                f"validation.dataset_path={dataset_path!r} holds fewer than seq_len + 1 = {seq_len + 1} tokens, not "
+                f"one validation sequence; add held-out text, or lower validation.seq_len"
+            )
+        return windows
     if dataset == "embedded":
         tokens = load_tokens(tokenizer, VALIDATION_CORPUS_PATH)
         return ShuffledWindows(tokens, seq_len=seq_len, global_batch_size=1, seed=seed, name="embedded-validation")

@@ -392,3 +392,22 @@ def test_resuming_with_another_dp_degree_names_the_global_batch_key() -> None:
         resumed = TokenBatches(tokens, local_batch_size=local, seq_len=31, dp_rank=0, dp_size=dp, seed=0)
         with pytest.raises(ValueError, match=rf"global_batch_size: saved 4, configured {local * dp}.* {fix}"):
             resumed.load_state_dict(saved)
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "message"),
+    [
+        ("bad.jsonl", b'{"text": "fine"}\n{"text": "broken\n{"text": "fine"}\n',
+         r"bad.jsonl, line 2, is not a JSON value \(Unterminated string"),
+        ("bad.txt", b"hello world\n\ncaf\xe9 in latin-1\n", r"bad.txt, line 3, is not UTF-8 text"),
+    ],
+)  # fmt: skip
+def test_an_unreadable_data_file_is_named_with_its_line_and_the_key(
+    tmp_path: Path, name: str, content: bytes, message: str
+) -> None:
+    """Before: pyarrow's `ArrowInvalid ... in row 20` or a bare UnicodeDecodeError, naming neither file nor key."""
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=rf"training.dataset_path='.*{name}': .*{message}.*Fix or remove it"):
+        read = local_documents(str(path), "text")
+        list(read(0))

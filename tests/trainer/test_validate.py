@@ -163,3 +163,17 @@ def test_preflight_refuses_bad_validation(tmp_path: Path, args: list[str], messa
     with pytest.raises(ValueError) as error:
         check_config(load_config(argv), world_size=2)
     assert message in str(error.value)
+
+
+def test_a_validation_set_too_small_for_one_sequence_fails_at_start_naming_it(tmp_path: Path) -> None:
+    """Before: the job trained validation.freq steps, then failed at the first validation without the file."""
+    from trainer.validate import build_held_out_windows
+
+    tiny = tmp_path / "held_out.txt"
+    tiny.write_text("a few words of held-out text\n")
+    with pytest.raises(ValueError, match=r"validation.dataset_path='.*held_out.txt' holds fewer than seq_len \+ 1"):
+        build_held_out_windows("embedded", ByteTokenizer(), dataset_path=str(tiny), text_field="text", seq_len=256,
+                               seed=0)  # fmt: skip
+    source = build_held_out_windows("embedded", ByteTokenizer(), dataset_path=str(tiny), text_field="text", seq_len=8,
+                                    seed=0)  # fmt: skip
+    assert len(list(one_pass(source))) >= 1
