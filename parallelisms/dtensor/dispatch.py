@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch._ops import OpOverload
 
+from . import collectives
 from .cost import cost_model
 from .device_mesh import DeviceMesh
 from .dtensor import DTensor
@@ -170,7 +171,7 @@ def _run_local(op: OpOverload, plan: Plan, local_args: list, local_kwargs: dict)
     if plan.random:
         return random_ops.run_seeded(local_op, local_args, local_kwargs, plan.output_specs)
     if plan.local_impl is not None:
-        return plan.local_impl(local_args, local_kwargs, plan.input_specs, plan.output_specs)
+        return plan.local_impl(local_args, local_kwargs, plan.input_specs, plan.output_specs, collectives)
     return local_op(*local_args, **local_kwargs)
 
 

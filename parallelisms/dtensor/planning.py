@@ -27,7 +27,16 @@ from .ops import RULES, OpCall, Sharding, rule_file_for
 from .ops import foreach as foreach_ops
 from .ops import random as random_ops
 from .ops.decompositions import Decomposition, find_decomposition
-from .ops.registry import LOCAL_SHAPE, LOCAL_STRIDE, STRIDED_RULES, WORLD_LOCAL_IMPLS, LocalImpl, Role, ScalarTensor
+from .ops.registry import (
+    LOCAL_SHAPE,
+    LOCAL_STRIDE,
+    STRIDED_RULES,
+    WORLD_LOCAL_IMPLS,
+    LocalComm,
+    LocalImpl,
+    Role,
+    ScalarTensor,
+)
 from .placements import Placement, Replicate, Shard, _StridedShard, is_strided
 from .spec import DTensorSpec, TensorMeta, dense_stride_like
 from .transitions import candidate_rank
@@ -309,7 +318,9 @@ def _finish_plan(call: OpCall, choice: Sharding) -> Plan:
     )
 
 
-def _off_mesh_outputs(local_args: list, local_kwargs: dict, input_specs: tuple, output_specs: tuple) -> Any:
+def _off_mesh_outputs(
+    local_args: list, local_kwargs: dict, input_specs: tuple, output_specs: tuple, comm: LocalComm
+) -> Any:
     """What an op gives on a rank outside its mesh: empty shards, and zero for 0-d outputs (as torch)."""
     outs = [
         None

@@ -30,10 +30,9 @@ import torch
 from torch._ops import OpOverload
 from torch.ops import aten
 
-from .. import collectives
 from ..placements import Partial, Shard, chunk_size_and_offset
 from ..spec import DTensorSpec
-from .registry import BoundArgs, LocalImpl, OpCall, Sharding, register
+from .registry import BoundArgs, LocalComm, LocalImpl, OpCall, Sharding, register
 from .tensor_ops import R, Row, expand, partials
 
 P_SUM = Partial("sum")
@@ -106,7 +105,9 @@ def _with_halo_exchange(candidates: list[Sharding], op: OpOverload, local_impl: 
     return kept
 
 
-def convolution_on_shards(op: OpOverload, local_args: list, local_kwargs: dict, input_specs, output_specs) -> object:
+def convolution_on_shards(
+    op: OpOverload, local_args: list, local_kwargs: dict, input_specs, output_specs, comm: LocalComm
+) -> object:
     """`op` itself, unless a shard it reads is empty (3 channels over 4 ranks), which the kernels refuse:
     then its result by arithmetic, as empty_shard_result says."""
     b = BoundArgs(op, tuple(local_args), local_kwargs)
@@ -186,7 +187,7 @@ def _narrow(t: torch.Tensor, dim: int, span: tuple[int, int], origin: int) -> to
     return t.narrow(dim, span[0] - origin, span[1] - span[0])
 
 
-def gather_reads(x: torch.Tensor, dim: int, plan: HaloPlan, group) -> torch.Tensor:
+def gather_reads(x: torch.Tensor, dim: int, plan: HaloPlan, group, comm: LocalComm) -> torch.Tensor:
     """This rank's input chunk -> the slab its output chunk reads, neighbours' positions received, padding
     zeros laid in."""
     me, (lo, hi), origin = plan.me, plan.read[plan.me], plan.held[plan.me][0]
@@ -202,13 +203,15 @@ def gather_reads(x: torch.Tensor, dim: int, plan: HaloPlan, group) -> torch.Tens
                 _narrow(slab, dim, theirs, lo).copy_(_narrow(x, dim, theirs, origin))
             else:
                 receives.append((q, _narrow(slab, dim, theirs, lo).contiguous()))
-    collectives.exchange(sends, receives, group)
+    comm.exchange(sends, receives, group)
     for q, buffer in receives:
         _narrow(slab, dim, plan.overlap(q, me), lo).copy_(buffer)  # type: ignore[arg-type]
     return slab
 
 
-def scatter_reads(grad_slab: torch.Tensor, local_shape: list[int], dim: int, plan: HaloPlan, group) -> torch.Tensor:
+def scatter_reads(
+    grad_slab: torch.Tensor, local_shape: list[int], dim: int, plan: HaloPlan, group, comm: LocalComm
+) -> torch.Tensor:
     """The adjoint of gather_reads: each position's gradient goes back to the rank holding it and is summed."""
     me, lo, origin = plan.me, plan.read[plan.me][0], plan.held[plan.me][0]
     grad = grad_slab.new_zeros(local_shape)
@@ -223,7 +226,7 @@ def scatter_reads(grad_slab: torch.Tensor, local_shape: list[int], dim: int, pla
             shape = list(local_shape)
             shape[dim] = mine[1] - mine[0]
             receives.append((q, grad_slab.new_empty(shape)))
-    collectives.exchange(sends, receives, group)
+    comm.exchange(sends, receives, group)
     for q, buffer in receives:
         _narrow(grad, dim, plan.overlap(me, q), origin).add_(buffer)  # type: ignore[arg-type]
     return grad
@@ -249,13 +252,13 @@ def _unpadded(b: BoundArgs, plans: list) -> list[int]:
     return padding
 
 
-def spatial_convolution(local_args: list, local_kwargs: dict, input_specs, output_specs) -> object:
+def spatial_convolution(local_args: list, local_kwargs: dict, input_specs, output_specs, comm: LocalComm) -> object:
     """The forward on a spatial shard: gather the slab, convolve it unpadded along the sharded dims."""
     b = BoundArgs(aten.convolution.default, tuple(local_args), local_kwargs)
     x, weight = b["input"], b["weight"]
     plans = _spatial_plans(input_specs[0], weight, b)
     for m, d, plan in plans:
-        x = gather_reads(x, d, plan, input_specs[0].mesh.get_group(m))
+        x = gather_reads(x, d, plan, input_specs[0].mesh.get_group(m), comm)
     local_shape = output_specs[0].local_shape_and_offset()[0]
     if 0 in local_shape or x.numel() == 0:  # an empty chunk (uneven shards): the kernel refuses an empty window
         return empty_shard_result(b, [local_shape])
@@ -265,7 +268,9 @@ def spatial_convolution(local_args: list, local_kwargs: dict, input_specs, outpu
     )
 
 
-def spatial_convolution_backward(local_args: list, local_kwargs: dict, input_specs, output_specs) -> tuple:
+def spatial_convolution_backward(
+    local_args: list, local_kwargs: dict, input_specs, output_specs, comm: LocalComm
+) -> tuple:
     """The backward on a spatial shard: the forward's slab again, the kernel's backward on it, and the slab's
     gradient scattered back to the ranks holding its positions."""
     b = BoundArgs(aten.convolution_backward.default, tuple(local_args), local_kwargs)
@@ -274,7 +279,7 @@ def spatial_convolution_backward(local_args: list, local_kwargs: dict, input_spe
     plans = _spatial_plans(spec, weight, b)
     local_shape = list(x.shape)
     for m, d, plan in plans:
-        x = gather_reads(x, d, plan, spec.mesh.get_group(m))
+        x = gather_reads(x, d, plan, spec.mesh.get_group(m), comm)
     if grad_out.numel() == 0 or x.numel() == 0:
         grad_x, grad_w, grad_b = empty_shard_result(b, [x.shape, weight.shape])  # type: ignore[misc]
     else:
@@ -287,6 +292,6 @@ def spatial_convolution_backward(local_args: list, local_kwargs: dict, input_spe
         for m, d, plan in reversed(plans):
             shape = list(grad_x.shape)
             shape[d] = plan.held[plan.me][1] - plan.held[plan.me][0]
-            grad_x = scatter_reads(grad_x, shape, d, plan, spec.mesh.get_group(m))
+            grad_x = scatter_reads(grad_x, shape, d, plan, spec.mesh.get_group(m), comm)
         assert list(grad_x.shape) == local_shape
     return grad_x, grad_w, grad_b

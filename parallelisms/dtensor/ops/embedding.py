@@ -38,7 +38,7 @@ from torch.ops import aten
 
 from ..placements import Partial, Placement, Replicate, Shard
 from ..spec import DTensorSpec
-from .registry import LocalImpl, OpCall, Placements, Sharding, register
+from .registry import LocalComm, LocalImpl, OpCall, Placements, Sharding, register
 
 R = Replicate()
 PARTIAL_SUM = Partial("sum")
@@ -100,7 +100,7 @@ def local_ids(indices: torch.Tensor, rows: int, start: int) -> tuple[torch.Tenso
     return shifted, outside
 
 
-def masked_embedding(local_args: list, local_kwargs: dict, input_specs, output_specs) -> torch.Tensor:
+def masked_embedding(local_args: list, local_kwargs: dict, input_specs, output_specs, comm: LocalComm) -> torch.Tensor:
     """Vocabulary-parallel lookup: rows this rank owns, zeros elsewhere (one term of a P(sum)).
 
     Out-of-range ids are pointed at local row 0 for the lookup, then their rows are zeroed.

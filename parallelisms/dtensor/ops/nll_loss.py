@@ -28,11 +28,10 @@ from typing import NamedTuple
 import torch
 from torch.ops import aten
 
-from .. import collectives
 from ..placements import Partial, Placement, Replicate, Shard
 from ..spec import DTensorSpec
 from .norms import remember_row_sums
-from .registry import OpCall, Sharding, register
+from .registry import LocalComm, OpCall, Sharding, register
 
 R = Replicate()
 PARTIAL_SUM = Partial("sum")
@@ -139,7 +138,9 @@ FORWARD_ARGS = ("self", "target", "weight", "reduction", "ignore_index")
 BACKWARD_ARGS = ("grad_output", "self", "target", "weight", "reduction", "ignore_index", "total_weight")
 
 
-def nll_forward_impl(local_args, local_kwargs, input_specs, output_specs, *, row_dims: tuple[int, ...]):
+def nll_forward_impl(
+    local_args, local_kwargs, input_specs, output_specs, comm: LocalComm, *, row_dims: tuple[int, ...]
+):
     """nll over this rank's rows and classes, with the mean taken over the GLOBAL total weight.
 
     Runs the op with reduction=sum (or none) on local targets (classes outside this rank's range
@@ -159,7 +160,7 @@ def nll_forward_impl(local_args, local_kwargs, input_specs, output_specs, *, row
     if reduction == MEAN:
         mesh = x_spec.mesh
         for m in row_dims:
-            total = collectives.all_reduce(total, "sum", mesh.get_group(m), mesh.size(m))
+            total = comm.all_reduce(total, "sum", mesh.get_group(m), mesh.size(m))
         out = out / total
     return out, total
 
@@ -196,7 +197,7 @@ def _backward_sharding(combo: tuple[Option, ...], named: dict, reduction: int) -
     return Sharding(inputs, (grad_input,), local_impl=nll_backward_impl if classes else None)
 
 
-def nll_backward_impl(local_args, local_kwargs, input_specs, output_specs):
+def nll_backward_impl(local_args, local_kwargs, input_specs, output_specs, comm: LocalComm):
     """grad_input for this rank's classes: targets of other classes are ignored (zero rows)."""
     grad, x, target, weight, reduction, ignore_index, total = _nll_args(local_args, local_kwargs, BACKWARD_ARGS)
     classes, start = class_range(output_specs[0])

@@ -32,10 +32,9 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 from torch.ops import aten
 
-from .. import collectives
 from ..placements import Partial, Placement, Replicate, Shard
 from ..spec import DTensorSpec
-from .registry import LocalImpl, OpCall, Sharding, register
+from .registry import LocalComm, LocalImpl, OpCall, Sharding, register
 
 R = Replicate()
 LINEAR_PARTIALS = (Partial("sum"), Partial("avg"))
@@ -105,9 +104,11 @@ def softmax_backward_rule(call: OpCall) -> list[Sharding]:
 # sum of exponentials, two all_reduces of one value per row, instead of gathering the rows.
 
 
-def _all_reduce_over(t: torch.Tensor, reduce_op: str, spec: DTensorSpec, mesh_dims: list[int]) -> torch.Tensor:
+def _all_reduce_over(
+    t: torch.Tensor, reduce_op: str, spec: DTensorSpec, mesh_dims: list[int], comm: LocalComm
+) -> torch.Tensor:
     for m in mesh_dims:
-        t = collectives.all_reduce(t, reduce_op, spec.mesh.get_group(m), spec.mesh.size(m))
+        t = comm.all_reduce(t, reduce_op, spec.mesh.get_group(m), spec.mesh.size(m))
     return t
 
 
@@ -115,7 +116,9 @@ def _compute_dtype(t: torch.Tensor) -> torch.Tensor:
     return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
 
 
-def sharded_log_softmax(local_args: list, local_kwargs: dict, input_specs, output_specs) -> torch.Tensor:
+def sharded_log_softmax(
+    local_args: list, local_kwargs: dict, input_specs, output_specs, comm: LocalComm
+) -> torch.Tensor:
     """log_softmax over a sharded dim: all_reduce the row max, then the row sum of exp(x - max)."""
     x, dim, _half_to_float = [*local_args, *local_kwargs.values()][:3]  # output dtype: output_specs
     spec = input_specs[0]
@@ -126,13 +129,15 @@ def sharded_log_softmax(local_args: list, local_kwargs: dict, input_specs, outpu
         local_max = xc.amax(dim, keepdim=True)
     else:  # an empty shard of the dim holds no candidate for the max
         local_max = xc.new_full((*xc.shape[:dim], 1, *xc.shape[dim + 1 :]), float("-inf"))
-    row_max = _all_reduce_over(local_max, "max", spec, mesh_dims)
+    row_max = _all_reduce_over(local_max, "max", spec, mesh_dims, comm)
     shifted = xc - row_max
-    sum_exp = _all_reduce_over(shifted.exp().sum(dim, keepdim=True), "sum", spec, mesh_dims)
+    sum_exp = _all_reduce_over(shifted.exp().sum(dim, keepdim=True), "sum", spec, mesh_dims, comm)
     return (shifted - sum_exp.log()).to(output_specs[0].dtype)
 
 
-def sharded_log_softmax_backward(local_args: list, local_kwargs: dict, input_specs, output_specs) -> torch.Tensor:
+def sharded_log_softmax_backward(
+    local_args: list, local_kwargs: dict, input_specs, output_specs, comm: LocalComm
+) -> torch.Tensor:
     """grad_input = g - exp(y) * sum(g) over a sharded dim: one all_reduce of the row sums of g."""
     grad, output, dim, _input_dtype = [*local_args, *local_kwargs.values()][:4]
     dim = dim + grad.ndim if dim < 0 else dim
@@ -140,7 +145,7 @@ def sharded_log_softmax_backward(local_args: list, local_kwargs: dict, input_spe
     gc = _compute_dtype(grad)
     row_sum = known_row_sums(grad, dim)
     if row_sum is None:
-        row_sum = _all_reduce_over(gc.sum(dim, keepdim=True), "sum", spec, spec.shard_mesh_dims(dim))
+        row_sum = _all_reduce_over(gc.sum(dim, keepdim=True), "sum", spec, spec.shard_mesh_dims(dim), comm)
     return (gc - _compute_dtype(output).exp() * _compute_dtype(row_sum)).to(output_specs[0].dtype)
 
 
@@ -240,7 +245,7 @@ def contiguous_stats(op) -> LocalImpl:
     """
     positions = [i for i, a in enumerate(op._schema.arguments) if a.name in ("mean", "rstd")]
 
-    def impl(local_args: list, local_kwargs: dict, input_specs, output_specs):
+    def impl(local_args: list, local_kwargs: dict, input_specs, output_specs, comm: LocalComm):
         args = [a.contiguous() if i in positions else a for i, a in enumerate(local_args)]
         kwargs = {k: v.contiguous() if k in ("mean", "rstd") else v for k, v in local_kwargs.items()}
         return op(*args, **kwargs)

@@ -34,7 +34,7 @@ from torch._ops import OpOverload
 
 from ..placements import Partial, Placement, Replicate, Shard
 from ..spec import DTensorSpec
-from .registry import OpCall, Placements, Role, Sharding, register
+from .registry import LocalComm, OpCall, Placements, Role, Sharding, register
 
 aten = torch.ops.aten
 
@@ -383,7 +383,7 @@ def fill_partial(call: OpCall) -> Sharding:
 
 
 def _fill_on_first_rank(op: OpOverload, mesh_dims: tuple[int, ...], local_args: list, local_kwargs: dict,
-                        input_specs: tuple, output_specs: tuple) -> torch.Tensor:  # fmt: skip
+                        input_specs: tuple, output_specs: tuple, comm: LocalComm) -> torch.Tensor:  # fmt: skip
     """fill_ on the ranks at coordinate 0 of every one of `mesh_dims`; zero_ on the others."""
     coordinate = input_specs[0].mesh.get_coordinate()
     if coordinate is not None and all(coordinate[m] == 0 for m in mesh_dims):

@@ -5,7 +5,8 @@ specs (placements, global shapes) and the static args, and says which placements
 must have and which placements the outputs then have. Output shapes, strides and dtypes are not the
 rule's business: the dispatcher gets them by running the op once on meta tensors of the global shapes.
 When a rule offers several Shardings the dispatcher takes the one that moves the fewest bytes.
-Rules never touch process groups, so they are tested without ranks.
+Rules never touch process groups, so they are tested without ranks. A Sharding's local_impl may
+communicate, but only through the LocalComm the dispatcher hands it: nothing here imports collectives.
 """
 
 from __future__ import annotations
@@ -14,17 +15,36 @@ import enum
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import cache
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch._ops import OpOverload, OpOverloadPacket
+from torch.distributed import ProcessGroup
 
 from ..placements import Placement, Replicate, Shard
 from ..spec import DTensorSpec
 
 Placements = tuple[Placement, ...]
-# local_impl(local_args, local_kwargs, input_specs, output_specs) -> the op's local output(s)
-LocalImpl = Callable[[list, dict, tuple[DTensorSpec, ...], tuple[DTensorSpec | None, ...]], Any]
+
+
+class LocalComm(Protocol):
+    """The collectives a local_impl may issue, handed in by the dispatcher (the `collectives` module), so
+    that no rule imports what communicates (docs/architecture.md §1). Signatures as in collectives.py."""
+
+    def all_reduce(self, local: torch.Tensor, reduce_op: str, group: ProcessGroup, group_size: int) -> torch.Tensor:
+        """`local` reduced over `group` into a new tensor."""
+
+    def all_ranks_agree(self, flag: bool, device: torch.device, group: ProcessGroup | None = None) -> bool:
+        """The logical AND of `flag` over every rank of `group` (default: the world)."""
+
+    def exchange(
+        self, sends: list[tuple[int, torch.Tensor]], receives: list[tuple[int, torch.Tensor]], group: ProcessGroup
+    ) -> None:
+        """Point to point within `group`: each tensor sent to its group rank, each buffer filled from its own."""
+
+
+# local_impl(local_args, local_kwargs, input_specs, output_specs, comm) -> the op's local output(s)
+LocalImpl = Callable[[list, dict, tuple[DTensorSpec, ...], tuple[DTensorSpec | None, ...], LocalComm], Any]
 
 # local_impls that issue a collective over the whole world: ranks outside the DTensor's mesh must
 # run them too (on their empty shards), or the ranks on it would wait for them forever
@@ -185,9 +205,10 @@ class Sharding:
         None (default): the op's own positional args.
     local_impl: a function run instead of the op on the local tensors, for ops whose local math
         differs from the global one (vocabulary-sharded embedding masks out-of-range ids). Called as
-        `local_impl(local_args, local_kwargs, input_specs, output_specs)` with the specs the inputs
-        have after redistribution and the output specs; returns what the op would. It may issue
-        collectives, through `parallelisms/dtensor/collectives.py` only. None (default): the plain op.
+        `local_impl(local_args, local_kwargs, input_specs, output_specs, comm)` with the specs the
+        inputs have after redistribution and the output specs; returns what the op would. It may
+        issue collectives, only through `comm` (a LocalComm: dispatch.py hands in collectives.py),
+        never by importing them. None (default): the plain op.
         Random ops (tagged nondeterministic_seeded) ignore it: random.run_seeded runs them.
     """
 

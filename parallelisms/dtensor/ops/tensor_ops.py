@@ -24,13 +24,13 @@ from typing import Any, NamedTuple
 import torch
 from torch._ops import OpOverload
 
-from .. import collectives
 from ..placements import Partial, Placement, Replicate, Shard, shards
 from ..spec import DTensorSpec, is_dense
 from .registry import (
     LOCAL_SHAPE,
     LOCAL_STRIDE,
     WORLD_LOCAL_IMPLS,
+    LocalComm,
     LocalImpl,
     OpCall,
     Placements,
@@ -163,7 +163,9 @@ def skip_empty_shards(candidate: Sharding, local_args: tuple | None, run: LocalI
     return Sharding(candidate.inputs, candidate.outputs, local_args=local_args, local_impl=run)
 
 
-def skip_empty(op: OpOverload, local_args: list, local_kwargs: dict, input_specs: tuple, output_specs: tuple) -> Any:
+def skip_empty(
+    op: OpOverload, local_args: list, local_kwargs: dict, input_specs: tuple, output_specs: tuple, comm: LocalComm
+) -> Any:
     """`op` on this rank's shard of its first arg, or this rank's empty outputs when that shard is empty (the
     kernels of image and FFT ops refuse an empty batch or plane, which an uneven shard can be)."""
     first = local_args[0]
@@ -346,9 +348,11 @@ def equal(call: OpCall) -> list[Sharding] | Sharding:
     return [Sharding((t, t), (), local_impl=_equal_everywhere) for t in dict.fromkeys(options)]
 
 
-def _equal_everywhere(local_args: list, local_kwargs: dict, input_specs: tuple, output_specs: tuple) -> bool:
+def _equal_everywhere(
+    local_args: list, local_kwargs: dict, input_specs: tuple, output_specs: tuple, comm: LocalComm
+) -> bool:
     a, b = local_args[0], local_args[1]
-    return collectives.all_ranks_agree(torch.equal(a, b), a.device)
+    return comm.all_ranks_agree(torch.equal(a, b), a.device)
 
 
 WORLD_LOCAL_IMPLS.add(_equal_everywhere)

@@ -200,7 +200,7 @@ _LIB.impl("offset_rows", lambda x: x.clone(), "CompositeExplicitAutograd")
 _LIB.impl("offset_rows", lambda x: torch.empty_like(x), "Meta")
 
 
-def _offset_rows_impl(local_args, local_kwargs, input_specs, output_specs):
+def _offset_rows_impl(local_args, local_kwargs, input_specs, output_specs, comm):
     """Adds each row's global index: needs the shard offset, which only local_impl can see."""
     (x,) = local_args
     _, offset = input_specs[0].local_shape_and_offset()
