@@ -22,7 +22,7 @@ from .config.state_floor import available_host_memory, check_host_memory, runs_o
 
 if TYPE_CHECKING:  # the pre-flight runs before torch is imported
     from parallelisms.parallel_dims import ParallelDims
-    from parallelisms.pipeline_parallel import ScheduleSpec
+    from parallelisms.pipeline_parallel import Schedule, ScheduleSpec
 
     from .config.pipeline_setup import PipelineSetup
 
@@ -57,7 +57,14 @@ _RANGES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("profiling.profile_freq", lambda v: v >= 1, ">= 1"),
     ("profiling.profiler_warmup", lambda v: v >= 0, ">= 0"),
     ("profiling.profiler_active", lambda v: v >= 1, ">= 1"),
+    ("parallelism.pipeline_parallel_layers_per_stage", lambda v: v is None or v >= 1, "unset (None) or >= 1"),
 ]
+# torch.compile's backends in torch 2.13 (`torch._dynamo.list_backends(exclude_tags=())`): a name outside them is
+# looked up in torch itself (a plugin's), and refused only when torch does not know it either
+COMPILE_BACKENDS = (
+    "aot_eager", "aot_eager_decomp_partition", "aot_eager_default_partitioner", "aot_ts", "cudagraphs", "eager",
+    "eager_debug", "inductor", "openxla", "pre_dispatch_eager", "ts", "tvm",
+)  # fmt: skip
 _CHECKPOINT_STATES = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng")
 
 
@@ -72,6 +79,7 @@ def check_config(cfg: JobConfig, world_size: int | None = None, *, local_files: 
         if not ok(value):
             raise ValueError(f"{key}={value!r}: must be {want}")
     check_names(cfg)
+    _check_compile_backend(cfg)
     _check_unavailable(cfg)
     _check_converters(cfg)
     _check_paths(cfg)
@@ -86,6 +94,7 @@ def check_config(cfg: JobConfig, world_size: int | None = None, *, local_files: 
     _check_tp_divides_model(cfg)
     pipeline = _check_pipeline(cfg)
     warnings = _schedule_warnings(cfg) + _feature_warnings(cfg, pipeline) + _float8_warnings(cfg)
+    warnings += _profiling_warnings(cfg)
     _check_data(cfg, local_files=local_files)
     _check_checkpoint(cfg)
     _check_validation(cfg)
@@ -215,6 +224,32 @@ def _check_unavailable(cfg: JobConfig) -> None:
         )
 
 
+def _profiling_warnings(cfg: JobConfig) -> list[str]:
+    """Profiling that can never record: its first window ends at step profiling.profile_freq."""
+    prof, steps = cfg.profiling, cfg.training.steps
+    if prof.enable_profiling and prof.profile_freq > steps:
+        return [
+            f"profiling.profile_freq({prof.profile_freq}) > training.steps({steps}): the first trace window ends at "
+            f"step {prof.profile_freq}, so this run records no trace; lower profiling.profile_freq"
+        ]
+    return []
+
+
+def _check_compile_backend(cfg: JobConfig) -> None:
+    """A compile.backend torch knows, checked before launch (torch's InvalidBackend would come from every rank)."""
+    backend = cfg.compile.backend
+    if not cfg.compile.enable or backend in COMPILE_BACKENDS:
+        return
+    from torch._dynamo import list_backends  # only for a name outside torch's own: a plugin's, or a typo
+
+    known = list_backends(exclude_tags=())
+    if backend not in known:
+        raise ValueError(
+            f"compile.backend={backend!r} is not a torch.compile backend{did_you_mean(backend, known)}; "
+            f"use 'inductor' (generated kernels) or 'aot_eager' / 'eager' (tracing only)"
+        )
+
+
 def _float8_warnings(cfg: JobConfig) -> list[str]:
     """torchtitan's FSDP float8 keys, set where they cannot act: the job runs, and says so."""
     f8, dims, key = cfg.quantize.linear.float8, cfg.parallelism, "quantize.linear.float8"
@@ -260,9 +295,15 @@ def _check_paths(cfg: JobConfig) -> None:
     from pathlib import Path
 
     dump = Path(cfg.job.dump_folder)
-    folders = [("job.dump_folder", dump)]
+    folders = [("job.dump_folder", dump), ("job.dump_folder", dump / "logs")]  # logs: every rank's output (launch)
     if cfg.checkpoint.enable and not cfg.checkpoint.load_only:
         folders.append(("checkpoint.folder", dump / cfg.checkpoint.folder))
+    if cfg.profiling.enable_profiling:
+        folders.append(("profiling.save_traces_folder", dump / cfg.profiling.save_traces_folder))
+    if cfg.profiling.enable_memory_snapshot:
+        folders.append(("profiling.save_memory_snapshot_folder", dump / cfg.profiling.save_memory_snapshot_folder))
+    if cfg.metrics.enable_tensorboard:
+        folders.append(("metrics.save_tb_folder", dump / cfg.metrics.save_tb_folder))
     for key, folder in folders:
         problem = _unwritable(folder)
         if problem:
@@ -347,11 +388,28 @@ def _check_schedule_microbatches(cfg: JobConfig, setup: PipelineSetup) -> None:
     for section, batch in batches.items():
         microbatches = batch // p.pipeline_parallel_microbatch_size
         try:
-            setup.schedule.generate(setup.pp, setup.stages_per_rank, microbatches)
+            actions = setup.schedule.generate(setup.pp, setup.stages_per_rank, microbatches)
         except ValueError as e:
             raise ValueError(f"parallelism.pipeline_parallel_schedule={p.pipeline_parallel_schedule!r} with "
                              f"{microbatches} microbatches ({section}.local_batch_size / "
                              f"parallelism.pipeline_parallel_microbatch_size): {e}") from None  # fmt: skip
+        if section == "training":  # validation runs forwards only, in the schedule's stage order
+            _check_schedule_runs(cfg, setup, actions)
+
+
+def _check_schedule_runs(cfg: JobConfig, setup: PipelineSetup, actions: Schedule) -> None:
+    """The step's schedule runs to its end in the process-free simulator (a user's CSV file can order the ranks'
+    actions so that they wait on each other forever; the ranks would start, then hang or fail at step 1)."""
+    from parallelisms.pipeline_parallel import simulate  # pure Python: no torch
+
+    p = cfg.parallelism
+    source = (f"parallelism.pipeline_parallel_schedule_csv={p.pipeline_parallel_schedule_csv!r}"
+              if p.pipeline_parallel_schedule_csv else f"parallelism.pipeline_parallel_schedule="
+              f"{p.pipeline_parallel_schedule!r}")  # fmt: skip
+    try:
+        simulate(actions, stage_to_rank=setup.stage_to_rank())
+    except ValueError as e:  # DeadlockError too: which ranks wait, at which action, for what
+        raise ValueError(f"{source} cannot run {setup.microbatches} microbatches: {e}; fix the order") from None
 
 
 def _check_validation(cfg: JobConfig) -> None:

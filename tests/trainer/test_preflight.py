@@ -154,3 +154,60 @@ def test_run_train_sh_refuses_a_model_no_machine_here_can_hold() -> None:
     command = [sys.executable, "-m", "trainer.preflight", "--model.flavor", "405B"]
     done = subprocess.run(command, cwd=REPO, env=told, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
+
+
+# ------------------------------------------------------------- faults found in the second probing round
+_PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
+
+
+def _checked(tmp_path: Path, *args: str) -> list[str]:
+    return check_config(load_config(["--job.dump_folder", str(tmp_path), *args]), world_size=2)
+
+
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_layers_per_stage_is_range_checked(tmp_path: Path, value: str) -> None:
+    """Before: 0 was silently taken as unset, and -1 said "-8 stages"."""
+    with pytest.raises(ValueError, match=rf"pipeline_parallel_layers_per_stage={value}: must be unset \(None\) or"):
+        _checked(tmp_path, *_PP2, "--parallelism.pipeline_parallel_layers_per_stage", value)
+
+
+def test_a_csv_schedule_that_deadlocks_fails_the_preflight_naming_the_waits(tmp_path: Path) -> None:
+    """Before: it passed, and the ranks started and failed at step 1. Rank 1 starts with microbatch 1, whose
+    forward rank 0 runs only after microbatch 0's backward."""
+    csv = tmp_path / "cyclic.csv"
+    csv.write_text("0F0,0B0,0F1,0B1\n1F1,1B1,1F0,1B0\n")
+    two = ["--training.local_batch_size", "2", "--parallelism.pipeline_parallel_microbatch_size", "1"]
+    with pytest.raises(ValueError, match=r"cyclic.csv' cannot run 2 microbatches: .*ranks 0, 1 wait forever"):
+        _checked(tmp_path, *_PP2, *two, "--parallelism.pipeline_parallel_schedule_csv", str(csv))
+
+
+@pytest.mark.parametrize(
+    ("args", "folder", "key"),
+    [
+        (["--profiling.enable_profiling"], "profile_traces", "profiling.save_traces_folder"),
+        (["--metrics.enable_tensorboard"], "tb", "metrics.save_tb_folder"),
+        ([], "logs", "job.dump_folder"),
+    ],
+)
+def test_an_output_sub_folder_that_is_a_file_fails_the_preflight(
+    tmp_path: Path, args: list[str], folder: str, key: str
+) -> None:
+    """Before: every rank failed with a traceback (at step 2 for the traces)."""
+    (tmp_path / folder).write_text("a file where the job writes a folder\n")
+    with pytest.raises(ValueError, match=rf"{key}=.*{folder} is an existing file, not a folder"):
+        _checked(tmp_path, *args)
+
+
+def test_a_compile_backend_typo_fails_the_preflight_with_a_suggestion(tmp_path: Path) -> None:
+    """Before: torch's InvalidBackend traceback on every rank after launch."""
+    with pytest.raises(ValueError, match=r"compile.backend='inductr' is not a torch.compile backend.*'inductor'"):
+        _checked(tmp_path, "--compile.enable", "--compile.backend", "inductr")
+    _checked(tmp_path, "--compile.enable", "--compile.backend", "aot_eager")
+
+
+def test_profiling_that_can_never_record_is_warned(tmp_path: Path) -> None:
+    """Before: with profile_freq past the last step no trace was written and nothing said why."""
+    warnings = _checked(tmp_path, "--profiling.enable_profiling", "--profiling.profile_freq", "10",
+                        "--training.steps", "5")  # fmt: skip
+    assert any("profiling.profile_freq(10) > training.steps(5)" in w for w in warnings), warnings
+    assert not any("profile_freq" in w for w in _checked(tmp_path, "--profiling.enable_profiling"))
