@@ -25,7 +25,6 @@ backward (`backward_placements`) and the strides a shard should have (`layout_mi
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -281,21 +280,55 @@ def _plan_seconds(src: DTensorSpec, steps: tuple[Transition, ...]) -> float:
 
     Walks are compared by payload (the bytes CommDebugMode counts), choices between rules' inputs
     by `transition_seconds`' ring volumes on even shards: a walk changes the order of the same
-    collectives, where payload and volume rank alike except on uneven pads."""
+    collectives, where payload and volume rank alike except on uneven pads. Ranks are priced by
+    class (`_coordinate_classes`), so the cost does not grow with the world."""
     mesh, mesh_shape = src.mesh, src.mesh.shape
-    coordinates = list(itertools.product(*(range(n) for n in mesh_shape)))
+    states = _walk_states(src.placements, steps)
     total = 0.0
-    for coordinate in coordinates:
-        current = list(src.placements)
-        for step in steps:
+    for coordinate, ranks in _coordinate_classes(src.shape, mesh_shape, states):
+        for step, current in zip(steps, states):
             n = mesh_shape[step.mesh_dim]
             if step.kind in RING_VOLUME and n > 1:  # a plan's steps carry this rank's shapes: recompute each rank's
                 local = local_shape_and_offset(src.shape, mesh_shape, coordinate, current)[0]
                 logical = logical_shape_before(src.shape, mesh_shape, coordinate, current, step.mesh_dim)
                 payload = _payload_numel(step, local, logical, n) * src.dtype.itemsize
-                total += link_seconds(payload, mesh, step.mesh_dim)
-            current[step.mesh_dim] = step.dst
-    return total / len(coordinates)
+                total += ranks * link_seconds(payload, mesh, step.mesh_dim)
+    return total / math.prod(mesh_shape)
+
+
+def _walk_states(placements: Sequence[Placement], steps: Sequence[Transition]) -> list[list[Placement]]:
+    """The placements before each step of a walk."""
+    states, current = [], list(placements)
+    for step in steps:
+        states.append(list(current))
+        current[step.mesh_dim] = step.dst
+    return states
+
+
+def _coordinate_classes(
+    shape: Sequence[int], mesh_shape: Sequence[int], states: Sequence[Sequence[Placement]]
+) -> list[tuple[list[int], int]]:
+    """Representative mesh coordinates and how many ranks each stands for: ranks whose shards have the same
+    shape in every state of a walk pay alike. Along a mesh dim that splits a tensor dim of size L into n
+    `torch.chunk` pieces, the pieces are full up to rank L // ceil(L / n), then one partial, then empty: at most
+    three kinds of rank per split, so a world of a million ranks prices as a handful (plain Shards only)."""
+    classes: list[tuple[list[int], int]] = [([], 1)]
+    for mesh_dim, n in enumerate(mesh_shape):
+        refined = []
+        for prefix, ranks in classes:
+            breaks = {0, n}
+            for placements in states:
+                p = placements[mesh_dim]
+                if isinstance(p, Shard):
+                    padded = [*prefix, *[0] * (len(mesh_shape) - mesh_dim)]
+                    size = logical_shape_before(shape, mesh_shape, padded, placements, mesh_dim)[p.dim]
+                    full = -(-size // n) if size else 0
+                    if full:
+                        breaks.update(b for b in (size // full, size // full + 1) if 0 < b < n)
+            edges = sorted(breaks)
+            refined += [([*prefix, lo], ranks * (hi - lo)) for lo, hi in zip(edges, edges[1:])]
+        classes = refined
+    return classes
 
 
 def redistribute_seconds(spec: DTensorSpec, target: Sequence[Placement] | None) -> float:

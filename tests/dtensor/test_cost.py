@@ -112,3 +112,34 @@ def test_redistribution_plans_are_cached_per_cost_model() -> None:
     from tests.world import run_world
 
     assert run_world(_plans_per_cost_model, 2) == [[1, 0, 0], [1, 0, 0]]
+
+
+def test_coordinate_classes_stand_for_every_rank_exactly() -> None:
+    """`_plan_seconds` prices one representative per class of ranks, weighted by the class's size, instead of
+    every coordinate (a million for the dry run's 1,000,000-rank world). The weighted representatives must give
+    every rank's shard shapes (in every state of the walk) as a multiset: any function of the shapes then sums
+    the same, checked with a random one."""
+    import collections
+    import itertools
+    import math
+    import random
+
+    from parallelisms.dtensor import Partial, Replicate, Shard
+    from parallelisms.dtensor.placements import local_shape_and_offset
+    from parallelisms.dtensor.transitions import _coordinate_classes
+
+    rng = random.Random(0)
+    choices = [Replicate(), Partial(), Shard(0), Shard(1)]
+    for _ in range(300):
+        mesh_shape = rng.choice([(2,), (5,), (8,), (2, 3), (4, 4), (3, 2, 2), (7, 3)])
+        shape = (rng.randint(0, 12), rng.randint(1, 9))
+        states = [[rng.choice(choices) for _ in mesh_shape] for _ in range(rng.randint(1, 3))]
+
+        def shapes(c: tuple[int, ...], states: list = states, shape: tuple = shape, mesh: tuple = mesh_shape) -> tuple:
+            return tuple(local_shape_and_offset(shape, mesh, c, s)[0] for s in states)
+
+        value: collections.defaultdict[tuple, int] = collections.defaultdict(lambda: rng.getrandbits(40))
+        classes = _coordinate_classes(shape, mesh_shape, states)
+        assert sum(weight for _, weight in classes) == math.prod(mesh_shape)
+        every_rank = sum(value[shapes(c)] for c in itertools.product(*(range(n) for n in mesh_shape)))
+        assert sum(weight * value[shapes(tuple(c))] for c, weight in classes) == every_rank, (mesh_shape, states)

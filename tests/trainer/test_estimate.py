@@ -326,6 +326,20 @@ def test_run_train_estimate_help_shows_the_dry_run_s_flags() -> None:
         assert flag in done.stdout, (flag, done.stdout)
 
 
+def test_a_million_ranks_are_priced_in_seconds_and_their_padding_is_warned() -> None:
+    """Before: --world_size 1000000 priced every rank's chunk one by one (147 s) and said the layout fits
+    without a word on the padding that almost all of it is."""
+    import time
+
+    start = time.monotonic()
+    done = run_estimate("--world_size", "1000000", "--device", "h100", "--json")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert time.monotonic() - start < 60
+    warnings = json.loads(done.stdout)["warnings"]
+    assert len(warnings) == 1 and "dp_shard x cp = 1000000 ranks shard dim 0 of 57 of the 57 parameters" in warnings[0]
+    assert json.loads(run_estimate("--world_size", "8", "--device", "h100", "--json").stdout)["warnings"] == []
+
+
 def test_search_ranks_fitting_layouts_best_first_with_their_overrides() -> None:
     done = run_estimate("--world_size", "2", "--device", "h100", "--search", "--json", "--top", "20")
     assert done.returncode == 0, done.stderr[-3000:]

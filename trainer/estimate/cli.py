@@ -44,6 +44,7 @@ def format_table(e: Estimate, cfg: JobConfig, *, margin: float) -> str:
     lines.append(f"step time {t.step_s:.3f}s = compute {t.compute_s:.3f}s (at {e.device.efficiency:.0%} of "
                  f"{peaks} TFLOPS){bubble} + exposed comm ({exposed})")  # fmt: skip
     lines.append(f"tok/s per device {e.tokens_per_s_per_device:,.0f} | mfu {e.mfu:.1%}")
+    lines += [f"warning: {w}" for w in e.warnings]
     return "\n".join(lines)
 
 

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from models.llama3 import llama3_configs
+from models.llama3.args import parameter_shapes
 from models.llama3.parallelize import compile_supported
 from parallelisms.dtensor.cost import CostModel, use_cost_model
 from parallelisms.parallel_dims import ParallelDims
@@ -30,7 +32,7 @@ from ..runtime import build_runtime, resolve_precision
 from .devices import Device, gpus_per_node
 from .pricing import StepTime, pipeline_stretch, price_step
 from .sampling import trace_step_sampled
-from .trace import StepTrace
+from .trace import StepTrace, job_vocab_size
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +58,7 @@ class Estimate:
     roles: tuple[Role, ...]
     ac_mode: str
     local_batch_size: int
+    warnings: tuple[str, ...] = ()  # what the layout wastes or risks, beside the numbers
 
     @property
     def critical(self) -> Role:
@@ -94,6 +97,7 @@ class Estimate:
         return {
             "world_size": self.world_size,
             "device": self.device.name,
+            "warnings": list(self.warnings),
             "layout": {"dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "cp": d.cp, "tp": d.tp, "pp": d.pp},
             "ranks": [
                 {
@@ -177,7 +181,33 @@ def estimate(
         time = price_step(trace, dims, device, per_node, pipeline_stretch=stretch, compiled=compiled)
         roles.append(Role(name, ranks, trace, time))
     return Estimate(
-        world_size, device, dims, tuple(roles), cfg.activation_checkpoint.mode, cfg.training.local_batch_size
+        world_size, device, dims, tuple(roles), cfg.activation_checkpoint.mode, cfg.training.local_batch_size,
+        warnings=padding_warnings(cfg, dims),
+    )  # fmt: skip
+
+
+ROWWISE = ("attention.wo.weight", "feed_forward.w2.weight")  # TP splits their dim 1; the other matrices' dim 0
+
+
+def padding_warnings(cfg: JobConfig, dims: ParallelDims) -> tuple[str, ...]:
+    """FSDP shards dim 0 of each parameter (what TP leaves of it) over dp_shard x cp ranks; where that degree
+    exceeds the rows, the ranks past the last row hold only padding, and their memory and traffic are waste."""
+    fsdp = dims.dp_shard * dims.cp
+    if fsdp == 1:
+        return ()
+    shapes = parameter_shapes(dataclasses.replace(llama3_configs[cfg.model.flavor], vocab_size=job_vocab_size(cfg)))
+    rows = {
+        fqn: shape[0] // dims.tp if len(shape) > 1 and not fqn.endswith(ROWWISE) else shape[0]
+        for fqn, shape in shapes.items()
+    }
+    short = {fqn: n for fqn, n in rows.items() if n < fsdp}
+    if not short:
+        return ()
+    fewest = min(short, key=short.__getitem__)
+    return (
+        f"dp_shard x cp = {fsdp} ranks shard dim 0 of {len(short)} of the {len(rows)} parameters, which have fewer "
+        f"rows (the fewest: {fewest}, {short[fewest]}): ranks past the last row hold only padding, so the memory "
+        f"and traffic estimated for them are waste; shard over fewer ranks (more tp, pp or dp_replicate)",
     )
 
 
