@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import weakref
 from typing import cast
 
 import torch
@@ -136,7 +137,6 @@ def assemble_pipeline(
     stages = build_stages(setup, parts, stage_ids, pp_mesh, runtime.device, torch.bfloat16 if bf16 else torch.float32)
     tied = whole.model_args.tie_word_embeddings
     tie_group = build_tie_group(runtime.world_mesh, tied, setup.schedule.placement)
-    model.__dict__["pipeline"] = Pipeline(
-        model, stages, setup.schedule, setup.microbatches, pp_mesh.get_group(), tie_group=tie_group
-    )
+    tie_ref = weakref.ref(tie_group) if tie_group is not None else None  # c10d keeps it until destroyed
+    model.__dict__["pipeline"] = Pipeline(model, stages, setup.schedule, setup.microbatches, pp_mesh, tie_ref)
     return model

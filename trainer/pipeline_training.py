@@ -15,6 +15,7 @@ schedule's forwards only; tensor parallelism inside stages sends each TP rank's 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -99,8 +100,16 @@ class Pipeline:
     stages: list[PipelineStage]
     schedule: ScheduleSpec
     num_microbatches: int
-    pp_group: dist.ProcessGroup
-    tie_group: dist.ProcessGroup | None = None  # the first and the last stage's ranks, when they share a weight
+    pp_mesh: DeviceMesh  # holds its group weakly, so a pipeline that outlives destroy_process_group() holds none
+    tie_group_ref: weakref.ref[dist.ProcessGroup] | None = None  # the first and last stage's ranks sharing a weight
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup:
+        return self.pp_mesh.get_group()
+
+    @property
+    def tie_group(self) -> dist.ProcessGroup | None:
+        return None if self.tie_group_ref is None else self.tie_group_ref()
 
     def runner(
         self, loss_fn: object, num_microbatches: int | None = None, loss_context: object = None

@@ -170,7 +170,7 @@ class PipelineSchedule:
         meta, peer = (stage.input_meta, s - 1) if forward else (stage.output_meta, s + 1)
         assert meta is not None
         state.recvs[s, action.kind, _microbatch(action)] = state.transfers.recv(
-            meta, stage.peer(peer), stage.device, stage.group
+            meta, stage.peer(peer), stage.device, stage.process_group
         )
 
     def _on_forward(self, state: _StepState, index: int, action: Action) -> None:
@@ -184,7 +184,7 @@ class PipelineSchedule:
         stage, s, m = self.stages[action.stage], action.stage, _microbatch(action)
         output = state.live[s, m].output
         assert output is not None
-        state.sends.append(state.transfers.send(output.detach(), stage.peer(s + 1), stage.group))
+        state.sends.append(state.transfers.send(output.detach(), stage.peer(s + 1), stage.process_group))
 
     def _on_backward(self, state: _StepState, index: int, action: Action) -> None:
         """B, or I (the input's gradient only) in the split-backward schedules."""
@@ -205,7 +205,7 @@ class PipelineSchedule:
         stage, s, m = self.stages[action.stage], action.stage, _microbatch(action)
         acts = state.live[s, m]
         assert acts.input_grad is not None, f"stage {s} microbatch {m}: SEND_B before its B or I"
-        state.sends.append(state.transfers.send(acts.input_grad, stage.peer(s - 1), stage.group))
+        state.sends.append(state.transfers.send(acts.input_grad, stage.peer(s - 1), stage.process_group))
         acts.grad_gone = True
         _release(state.live, s, m)
 
@@ -249,7 +249,7 @@ class PipelineSchedule:
                 stage, m = self.stages[action.stage], _microbatch(action)
                 output = state.live.pop((action.stage, m)).output
                 assert output is not None
-                state.sends.append(state.transfers.send(output, stage.peer(action.stage + 1), stage.group))
+                state.sends.append(state.transfers.send(output, stage.peer(action.stage + 1), stage.process_group))
         state.transfers.post()
         for send in state.sends:
             send.wait()

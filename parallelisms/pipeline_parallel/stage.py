@@ -7,8 +7,9 @@ move between the ranks of the pp group with point-to-point sends and receives (`
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import InitVar, dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -38,13 +39,17 @@ class PipelineStage:
     module: nn.Module
     stage_index: int
     num_stages: int
-    group: dist.ProcessGroup
+    group: InitVar[dist.ProcessGroup]
     stage_to_rank: Mapping[int, int]
     device: torch.device
     input_meta: BoundaryMeta | None
     output_meta: BoundaryMeta | None
+    # held weakly, as DeviceMesh holds its groups: a stage that outlives destroy_process_group() (a job stopped by
+    # a signal, its frames still alive) must not keep the group into interpreter exit, where gloo can abort
+    _group: Callable[[], dist.ProcessGroup | None] = field(init=False, repr=False)
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, group: dist.ProcessGroup | None) -> None:
+        self._group = weakref.ref(group) if group is not None else lambda: None
         if not 0 <= self.stage_index < self.num_stages:
             raise ValueError(f"stage_index {self.stage_index} is not in [0, {self.num_stages})")
         if (self.input_meta is None) != self.is_first or (self.output_meta is None) != self.is_last:
@@ -61,9 +66,20 @@ class PipelineStage:
     def is_last(self) -> bool:
         return self.stage_index == self.num_stages - 1
 
+    @property
+    def process_group(self) -> dist.ProcessGroup:
+        """The pp group the stage sends and receives in."""
+        group = self._group()
+        if group is None:
+            raise RuntimeError(
+                f"pipeline stage {self.stage_index}: its process group was destroyed (dist.destroy_process_group()); "
+                f"build the stages again in a live group"
+            )
+        return group
+
     def peer(self, stage: int) -> int:
         """The global rank that holds `stage`."""
-        return dist.get_global_rank(self.group, self.stage_to_rank[stage])
+        return dist.get_global_rank(self.process_group, self.stage_to_rank[stage])
 
     def is_local(self, stage: int) -> bool:
-        return self.stage_to_rank[stage] == self.group.rank()
+        return self.stage_to_rank[stage] == self.process_group.rank()

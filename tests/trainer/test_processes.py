@@ -207,13 +207,18 @@ def test_a_lost_rendezvous_store_is_one_line_without_cpp_frames(
 
 
 @pytest.mark.e2e
-def test_sigterm_to_the_launcher_saves_a_last_checkpoint_and_exits_143_with_one_line(tmp_path: Path) -> None:
+@pytest.mark.parametrize("layout", ["fsdp2", "pp2"])
+def test_sigterm_to_the_launcher_saves_a_last_checkpoint_and_exits_143_with_one_line(
+    tmp_path: Path, layout: str
+) -> None:
     """A scheduler's preemption: before, a 28-line SignalException traceback, exit code 1 and the steps since
-    the last save lost. Now every rank saves the step it was in (one agreed step) and the job exits 143."""
+    the last save lost. Now every rank saves the step it was in (one agreed step) and the job exits 143,
+    holding no process group past its teardown (PP's once warned that the default group was still referenced)."""
     from checkpoint.manager import committed_steps
     from checkpoint.step_folders import StepKind, step_kind
 
     args = [*TRAIN_ARGS, "--job.dump_folder", str(tmp_path), "--checkpoint.enable", "--checkpoint.interval", "1000"]
+    args += _POINT_TO_POINT["pp2"] if layout == "pp2" else []
     job = Job(args, NGPU="2", LOG_RANK="0,1")
     try:
         job.wait_for("step 2 |", timeout=120)
@@ -227,6 +232,7 @@ def test_sigterm_to_the_launcher_saves_a_last_checkpoint_and_exits_143_with_one_
         assert len(steps) == 1 and steps[0] >= 2, (steps, out[-3000:])
         assert step_kind(tmp_path / "checkpoint" / f"step-{steps[0]}") == StepKind.RESUMABLE
         assert f"SIGTERM: stopping after step {steps[0]}, its checkpoint saved" in out, out[-3000:]
+        assert "still referenced after destroy_process_group()" not in out, out[-3000:]
     finally:
         job.kill()
 
