@@ -64,6 +64,20 @@ def step_kind(directory: Path, resumable: str = "train_state") -> StepKind:
     return StepKind.RESUMABLE if has_state else StepKind.MODEL_ONLY
 
 
+def steps_to_purge(kinds: dict[int, StepKind], keep: int, *, count_model_only: bool = False) -> list[int]:
+    """The steps `keep_latest_k=keep` removes from a folder whose steps hold `kinds`: every loadable step older
+    than the `keep`-th newest resumable one. A model-only save (the last save's export, a seed) does not count
+    against the resumable ones, so the newest resume point is always kept; the save goes once it is older
+    than every kept resume point. `count_model_only`: a job without resumable state counts its saves, all
+    model-only. Incomplete, unreadable and set-aside folders are never removed."""
+    counted = (StepKind.RESUMABLE, StepKind.MODEL_ONLY) if count_model_only else (StepKind.RESUMABLE,)
+    steps = sorted(n for n, kind in kinds.items() if kind in counted)
+    if keep <= 0 or len(steps) <= keep:
+        return []
+    oldest_kept = steps[-keep]
+    return sorted(n for n, kind in kinds.items() if n < oldest_kept and kind in LOADABLE)
+
+
 def report_passed_over(kinds: dict[int, StepKind], chosen: int | None, load_step: int) -> None:
     """Name every step folder newer than the one resumed from, and why it was not (rank 0)."""
     start = "starting afresh" if chosen is None else f"resuming from step-{chosen}"
