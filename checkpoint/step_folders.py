@@ -6,15 +6,12 @@ from __future__ import annotations
 
 import enum
 import logging
-import re
 from pathlib import Path
 
-from .format import INDEX_FILE, CheckpointError, read_index
-from .hf_conversion import HF_INDEX_FILE
+from .format import HF_INDEX_FILE, INDEX_FILE, STEP_DIR, CheckpointError, read_index
 from .storage import set_aside
 
 logger = logging.getLogger(__name__)
-_STEP_DIR = re.compile(r"step-(\d+)")
 
 
 class StepKind(enum.Enum):
@@ -47,7 +44,7 @@ def step_folders(folder: Path) -> dict[int, Path]:
     """Every `step-<N>` entry of `folder` (committed or not; never a `.tmp-` or set-aside one)."""
     if not folder.is_dir():
         return {}
-    return {int(m.group(1)): p for p in folder.iterdir() if (m := _STEP_DIR.fullmatch(p.name))}
+    return {int(m.group(1)): p for p in folder.iterdir() if (m := STEP_DIR.fullmatch(p.name))}
 
 
 def step_kind(directory: Path, resumable: str = "train_state") -> StepKind:

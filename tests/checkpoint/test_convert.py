@@ -413,11 +413,37 @@ def test_inspect_fails_on_a_missing_file_and_on_a_non_checkpoint(exported, tmp_p
     (bad / "rank-0.safetensors").unlink()
     assert _run("inspect", bad) == 1
     assert "rank-0.safetensors: missing" in capsys.readouterr().out
-    assert _run("inspect", exported[2]) == 1  # an HF directory
-    assert "not a committed checkpoint" in capsys.readouterr().out.strip().splitlines()[-1]
     (bad / "index.json").write_text("{not json")
     assert _run("inspect", bad) == 1
     assert "not valid JSON" in capsys.readouterr().out
+
+
+def test_inspect_says_what_a_folder_that_is_no_checkpoint_is_once(exported, tmp_path, capsys) -> None:
+    """A missing path, the folder of step-N checkpoints, a Hugging Face folder: each named for what it is, not
+    as an interrupted save, which a '.tmp-' or index-less step folder still is."""
+    _, ours, hf_dir = exported
+    folder = tmp_path / "checkpoint"
+    folder.mkdir()
+    for name in ("step-4", "step-2", "step-10"):
+        _copy(ours, folder / name)
+    (folder / "step-12.tmp-0123").mkdir()  # an interrupted save is not a checkpoint to pass
+    (folder / "step-10.model-only").mkdir()  # nor is a set-aside one
+    index_less = _copy(ours, tmp_path / "step-5")
+    (index_less / "index.json").unlink()
+    said = {
+        tmp_path / "nowhere": f"{tmp_path / 'nowhere'} does not exist",
+        folder: f"{folder} holds step-2, step-4 and step-10 (checkpoints): pass one of them",
+        hf_dir: f"{hf_dir} is a Hugging Face model folder: use from-hf to convert it",
+        folder / "step-12.tmp-0123": "is not a committed checkpoint (an interrupted save leaves only a '.tmp-'",
+        index_less: "is not a committed checkpoint (an interrupted save leaves only a '.tmp-'",
+    }
+    for path, message in said.items():
+        assert _run("inspect", path) == 1
+        out = capsys.readouterr().out
+        assert message in out.strip().splitlines()[-1] and out.count(message) == 1, out
+        assert ("interrupted save" in out) == (message.startswith("is not a committed")), out
+    assert _run("to-hf", folder, tmp_path / "out") == 1  # the other commands say the same
+    assert f"{folder} holds step-2, step-4 and step-10 (checkpoints)" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------- Hugging Face's model
