@@ -73,6 +73,9 @@ def _run_inspect(ckpt: str) -> int:
     lines, problems = inspect_checkpoint(ckpt)
     for line in lines:
         print(line)  # the CLI's report is its output, not logging
+    if problems and not lines:  # no checkpoint to describe (none there, or its index unreadable): why, once
+        print(f"FAILED: {problems[0]}")
+        return 1
     if problems:
         for p in problems:
             print(f"problem: {p}")

@@ -33,6 +33,9 @@ FORMAT_NAME = "meshtrain-checkpoint"
 FORMAT_VERSION = 1
 INDEX_FILE = "index.json"
 _FILE_NAME = re.compile(r"rank-\d{1,6}\.safetensors")  # the only files an index may point at
+STEP_DIR = re.compile(r"step-(\d+)")  # a checkpoint folder's name in the trainer's checkpoint folder
+HF_INDEX_FILE = "model.safetensors.index.json"  # a Hugging Face folder's, told apart from ours
+HF_CONFIG_FILE = "config.json"
 
 DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d
@@ -134,10 +137,7 @@ def read_index(directory: str | Path) -> Index:
     """The validated index of the checkpoint in `directory`; CheckpointError names what is wrong."""
     path = Path(directory) / INDEX_FILE
     if not path.is_file():
-        raise CheckpointError(
-            f"{path} does not exist: {directory} is not a committed checkpoint (an interrupted save leaves only "
-            f"a '.tmp-' directory, which is never loaded)"
-        )
+        raise CheckpointError(not_a_checkpoint(Path(directory)))
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -146,6 +146,37 @@ def read_index(directory: str | Path) -> Index:
         return _parse(raw)
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{path} is malformed: {e}") from e
+
+
+def not_a_checkpoint(directory: Path) -> str:
+    """What `directory`, which has no index.json, is instead of a checkpoint, and what to pass: nothing, the
+    folder of step-N checkpoints, a Hugging Face folder, or an interrupted (never committed) save."""
+    if not directory.exists():
+        return f"{directory} does not exist"
+    if not directory.is_dir():
+        return f"{directory} is a file, not a checkpoint (a step-<N> folder with {INDEX_FILE})"
+    steps = sorted((int(m.group(1)), p.name) for p in directory.iterdir()
+                   if (m := STEP_DIR.fullmatch(p.name)) and (p / INDEX_FILE).is_file())  # fmt: skip
+    if len(steps) == 1:
+        return f"{directory} holds {steps[0][1]} (a checkpoint): pass {directory / steps[0][1]}"
+    if steps:
+        return (f"{directory} holds {_listed([name for _, name in steps])} (checkpoints): pass one of them, e.g. "
+                f"the newest {directory / steps[-1][1]}")  # fmt: skip
+    foreign = [p.name for p in directory.glob("*.safetensors") if not _FILE_NAME.fullmatch(p.name)]
+    if (directory / HF_INDEX_FILE).is_file() or foreign:
+        return (f"{directory} is a Hugging Face model folder: use from-hf to convert it (python -m checkpoint.convert "
+                f"from-hf {directory} OUT), or train from it with checkpoint.initial_load_in_hf")  # fmt: skip
+    if ".tmp-" in directory.name or STEP_DIR.fullmatch(directory.name) or any(directory.glob("rank-*.safetensors")):
+        return (f"{directory / INDEX_FILE} does not exist: {directory} is not a committed checkpoint (an interrupted "
+                f"save leaves only a '.tmp-' directory, which is never loaded)")  # fmt: skip
+    return f"{directory} has no {INDEX_FILE}: it is not a checkpoint (a step-<N> folder of rank-*.safetensors files)"
+
+
+def _listed(names: list[str]) -> str:
+    """'a, b and c'; a long list by its first three and its last."""
+    if len(names) > 6:
+        return f"{', '.join(names[:3])}, ... and {names[-1]} ({len(names)} in all)"
+    return f"{', '.join(names[:-1])} and {names[-1]}"
 
 
 def _parse(raw: dict[str, Any]) -> Index:

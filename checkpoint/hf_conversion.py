@@ -24,7 +24,7 @@ import torch
 from safetensors import safe_open
 
 from .distributed import save
-from .format import DTYPES, CheckpointError, Index, read_index
+from .format import DTYPES, HF_CONFIG_FILE, HF_INDEX_FILE, CheckpointError, Index, read_index
 from .hf_adapter_protocol import ArgsT, HFAdapter
 from .reader import read_tensor
 from .storage import commit, temporary_dir, write_durable, write_safetensors
@@ -32,8 +32,6 @@ from .storage import commit, temporary_dir, write_durable, write_safetensors
 logger = logging.getLogger(__name__)
 
 MODEL_PREFIX = "model."  # the trainer's state dict keeps the model under "model"
-HF_INDEX_FILE = "model.safetensors.index.json"
-HF_CONFIG_FILE = "config.json"
 
 
 # ------------------------------------------------------------------------------------ to-hf

@@ -5,6 +5,8 @@ the caller hands in (checkpoint/hf_adapter_protocol.py; Llama's is models/llama3
 Loading maps names and the layout transforms at load time: every rank reads, with safetensors'
 mmap slices, only the box of each tensor its shard holds (for a tensor whose rows HF permutes within
 each head, Llama's wq / wk, the whole heads the box overlaps), so no rank ever holds the whole model.
+A pipeline stage takes only its own tensors; the ranks agree on what no stage takes (refused, on every
+rank) before anything is read.
 Saving writes a model-only checkpoint next to the target (every rank its part, as any save) and
 converts it on rank 0 with `to_hf`, which streams one tensor at a time and commits `OUT.tmp-<id>/` by
 renaming it: either way a crash leaves only `*.tmp-*` leftovers, never a half-written folder under the
@@ -23,7 +25,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from parallelisms.dtensor import DTensor
 
@@ -59,42 +61,84 @@ def load_hf_model(
     model: dict[str, torch.Tensor], hf_dir: Path, files: dict[str, Path], args: ArgsT, adapter: HFAdapter[ArgsT]
 ) -> None:
     """Fill `model` (our FQN -> this rank's DTensor or plain tensor, filled in place, cast to its dtype)
-    from the HF safetensors `files` of `hf_dir` (`adapter`'s family, the model `args`); every missing,
-    extra or misshapen tensor is reported at once."""
-    problems = []
+    from the HF safetensors `files` of `hf_dir` (`adapter`'s family, the model `args`); collective when a
+    process group is up. Each rank takes the tensors its `model` names: a pipeline stage holds only its own
+    FQNs (as `load` of a checkpoint, it leaves the others alone), so a tensor of the folder is extra only
+    when no rank takes it. Every missing, extra or misshapen tensor of any rank is reported at once, on
+    every rank, before anything is read."""
     wanted = {adapter.to_hf_name(fqn): fqn for fqn in model}
-    for name in files:
-        ignored = name.endswith(adapter.ignored_hf_suffixes) or _tied_head(name, model, adapter)
-        if name not in wanted and not ignored:
-            problems.append(f"{name}: not a parameter of this job's model")
-    problems += [f"{name}: missing (for {fqn})" for name, fqn in wanted.items() if name not in files]
     with contextlib.ExitStack() as stack:
-        opened: dict[Path, Any] = {}
-        for name, fqn in wanted.items():
-            if name not in files:
-                continue
-            path = files[name]
-            if path not in opened:
-                if not path.is_file():
-                    raise CheckpointError(f"{path} (listed in {hf_dir / HF_INDEX_FILE}) is missing")
-                opened[path] = stack.enter_context(safe_open(path, framework="pt"))
-            saved = opened[path].get_slice(name)
-            target = model[fqn]
-            if tuple(saved.get_shape()) != tuple(target.shape):
-                problems.append(f"{name}: shape {tuple(saved.get_shape())}, this job's {fqn} is {tuple(target.shape)}")
-                continue
-            local, offset = _shard(target)
+        slices, problems = _open_slices(wanted, model, files, hf_dir, stack)
+        taken, problems = _over_ranks(set(wanted), problems)
+        problems = [
+            *(f"{name}: not a parameter of this job's model" for name in files
+              if name not in taken and not name.endswith(adapter.ignored_hf_suffixes)
+              and not _tied_head(name, taken, adapter)),
+            *problems,
+        ]  # fmt: skip
+        if problems:
+            raise CheckpointError(
+                f"{hf_dir} does not fit this job's model ({len(problems)} problems):\n  " + "\n  ".join(problems[:20])
+            )
+        for name, saved in slices.items():
+            fqn = wanted[name]
+            local, offset = _shard(model[fqn])
             if local.numel():
                 local.copy_(_read_box(saved, fqn, offset, tuple(local.shape), args, adapter))
-    if problems:
-        raise CheckpointError(
-            f"{hf_dir} does not fit this job's model ({len(problems)} problems):\n  " + "\n  ".join(problems[:20])
-        )
 
 
-def _tied_head(name: str, model: dict[str, torch.Tensor], adapter: HFAdapter[Any]) -> bool:
-    """HF's lm_head.weight of a tied model, which HF itself ignores (our tied model has no output.weight)."""
-    return name == adapter.to_hf_name(adapter.output_fqn) and adapter.output_fqn not in model
+def _open_slices(
+    wanted: dict[str, str], model: dict[str, torch.Tensor], files: dict[str, Path], hf_dir: Path,
+    stack: contextlib.ExitStack,
+) -> tuple[dict[str, Any], list[str]]:  # fmt: skip
+    """(HF name -> its safetensors slice, for every tensor this rank takes that fits; this rank's problems:
+    missing tensors, missing or unreadable files, other shapes). Only headers are read."""
+    slices: dict[str, Any] = {}
+    problems = [f"{name}: missing (for {fqn})" for name, fqn in wanted.items() if name not in files]
+    opened: dict[Path, Any] = {}
+    for name, fqn in wanted.items():
+        path = files.get(name)
+        if path is None:
+            continue
+        if path not in opened:
+            opened[path] = _open(path, hf_dir, stack)
+        if isinstance(opened[path], str):
+            problems.append(opened[path])  # said once: the problems are deduplicated below
+            continue
+        saved = opened[path].get_slice(name)
+        if tuple(saved.get_shape()) != tuple(model[fqn].shape):
+            problems.append(f"{name}: shape {tuple(saved.get_shape())}, this job's {fqn} is {tuple(model[fqn].shape)}")
+            continue
+        slices[name] = saved
+    return slices, list(dict.fromkeys(problems))
+
+
+def _open(path: Path, hf_dir: Path, stack: contextlib.ExitStack) -> Any:
+    """The opened safetensors file `path`, or why it cannot be read."""
+    listed = f" (listed in {hf_dir / HF_INDEX_FILE})" if (hf_dir / HF_INDEX_FILE).is_file() else ""
+    if not path.is_file():
+        return f"{path}{listed} is missing"
+    try:
+        return stack.enter_context(safe_open(path, framework="pt"))
+    except (OSError, SafetensorError) as e:
+        return f"{path}{listed} cannot be read: {e}"
+
+
+def _over_ranks(names: set[str], problems: list[str]) -> tuple[set[str], list[str]]:
+    """(the HF names some rank takes, every rank's problems once, in rank order): the same on every rank, so
+    all of them refuse the folder together or none does."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return names, problems
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (sorted(names), problems))
+    taken = {name for theirs, _ in gathered for name in theirs}
+    return taken, list(dict.fromkeys(p for _, theirs in gathered for p in theirs))
+
+
+def _tied_head(name: str, taken: set[str], adapter: HFAdapter[Any]) -> bool:
+    """HF's lm_head.weight of a tied model, which HF itself ignores: our tied model has no output.weight (a
+    pipeline's last stage holds its copy under the embedding's name), so no rank takes it."""
+    return name == adapter.to_hf_name(adapter.output_fqn) and name not in taken
 
 
 def _shard(target: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:

@@ -14,7 +14,8 @@ A folder of committed `step-<N>/` checkpoints (torchtitan's `[checkpoint]` seman
   with its own gloo group, so the loop only waits for the staging copy;
 - a folder in the way of a save (a model-only export where the resumable step goes, an incomplete
   or a replaced step) is renamed `step-<N>.<reason>` (kept, never deleted; never loaded again);
-- after each commit only the newest `keep_latest_k` committed steps are kept (0: all);
+- after each commit the steps older than the newest `keep_latest_k` resumable ones are deleted (0: none);
+  a model-only save does not count against them, so the newest resume point is always kept;
 - `create_seed_checkpoint` saves the initialized model as step-0 and the trainer stops.
 """
 
@@ -37,7 +38,8 @@ from .format import CheckpointError, read_index
 from .hf_adapter_protocol import HFAdapter
 from .hf_state import check_hf_folder, hf_job_model_args, load_hf_model, save_hf_model
 from .stateful import Stateful
-from .step_folders import LOADABLE, StepKind, clear_way, committed_steps, report_passed_over, step_folders, step_kind
+from .step_folders import LOADABLE, StepKind, clear_way, report_passed_over, step_folders, step_kind, steps_to_purge
+from .step_folders import committed_steps as committed_steps  # re-exported: where callers list the committed steps
 from .storage import remove_leftovers, temporary_dir
 
 logger = logging.getLogger(__name__)
@@ -337,10 +339,12 @@ class CheckpointManager:
                 self._executor.shutdown(wait=True)
 
     def _purge(self) -> None:
-        """Keep the newest `keep_latest_k` committed steps (rank 0 deletes; only committed ones)."""
+        """Keep the newest `keep_latest_k` resumable steps and what is newer (`steps_to_purge`; rank 0 deletes)."""
         if self.rank != 0 or self.keep_latest_k <= 0:
             return
-        for step in committed_steps(self.folder)[: -self.keep_latest_k]:
+        kinds = {n: step_kind(p, self.roles.resumable) for n, p in step_folders(self.folder).items()}
+        stateless = self.roles.resumable not in self.states  # nothing it saves is resumable: every save counts
+        for step in steps_to_purge(kinds, self.keep_latest_k, count_model_only=stateless):
             # renamed first, so a crash mid-delete leaves a leftover (cleaned at start), never a
             # committed-looking directory with files missing
             doomed = temporary_dir(self._dir(step), "purge")

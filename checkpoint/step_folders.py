@@ -6,15 +6,12 @@ from __future__ import annotations
 
 import enum
 import logging
-import re
 from pathlib import Path
 
-from .format import INDEX_FILE, CheckpointError, read_index
-from .hf_conversion import HF_INDEX_FILE
+from .format import HF_INDEX_FILE, INDEX_FILE, STEP_DIR, CheckpointError, read_index
 from .storage import set_aside
 
 logger = logging.getLogger(__name__)
-_STEP_DIR = re.compile(r"step-(\d+)")
 
 
 class StepKind(enum.Enum):
@@ -47,7 +44,7 @@ def step_folders(folder: Path) -> dict[int, Path]:
     """Every `step-<N>` entry of `folder` (committed or not; never a `.tmp-` or set-aside one)."""
     if not folder.is_dir():
         return {}
-    return {int(m.group(1)): p for p in folder.iterdir() if (m := _STEP_DIR.fullmatch(p.name))}
+    return {int(m.group(1)): p for p in folder.iterdir() if (m := STEP_DIR.fullmatch(p.name))}
 
 
 def step_kind(directory: Path, resumable: str = "train_state") -> StepKind:
@@ -62,6 +59,20 @@ def step_kind(directory: Path, resumable: str = "train_state") -> StepKind:
         return StepKind.UNREADABLE
     has_state = any(k == resumable or k.startswith(f"{resumable}.") for k in values)
     return StepKind.RESUMABLE if has_state else StepKind.MODEL_ONLY
+
+
+def steps_to_purge(kinds: dict[int, StepKind], keep: int, *, count_model_only: bool = False) -> list[int]:
+    """The steps `keep_latest_k=keep` removes from a folder whose steps hold `kinds`: every loadable step older
+    than the `keep`-th newest resumable one. A model-only save (the last save's export, a seed) does not count
+    against the resumable ones, so the newest resume point is always kept; the save goes once it is older
+    than every kept resume point. `count_model_only`: a job without resumable state counts its saves, all
+    model-only. Incomplete, unreadable and set-aside folders are never removed."""
+    counted = (StepKind.RESUMABLE, StepKind.MODEL_ONLY) if count_model_only else (StepKind.RESUMABLE,)
+    steps = sorted(n for n, kind in kinds.items() if kind in counted)
+    if keep <= 0 or len(steps) <= keep:
+        return []
+    oldest_kept = steps[-keep]
+    return sorted(n for n, kind in kinds.items() if n < oldest_kept and kind in LOADABLE)
 
 
 def report_passed_over(kinds: dict[int, StepKind], chosen: int | None, load_step: int) -> None:

@@ -327,6 +327,51 @@ def test_from_hf_rejects_configs_our_model_cannot_express(exported, tmp_path, ca
     assert not (tmp_path / "back").exists()
 
 
+# ------------------------------------------------------------- an HF folder loaded by pipeline stages
+def _load_hf_as_two_stages(hf_dir: str) -> dict[str, torch.Tensor] | str:
+    """As pipeline stages hold the model, rank 0 the first half of its FQNs and rank 1 the rest, each loads its
+    own from `hf_dir` (`checkpoint.initial_load_in_hf`); the error, where one is raised."""
+    from checkpoint import hf_state
+
+    fqns = list(parameter_shapes(ARGS).items())
+    rank, half = torch.distributed.get_rank(), len(fqns) // 2
+    model = {k: torch.zeros(shape) for k, shape in (fqns[:half] if rank == 0 else fqns[half:])}
+    files = hf_state.check_hf_folder(Path(hf_dir), "checkpoint.initial_load_path")
+    try:
+        hf_state.load_hf_model(model, Path(hf_dir), files, ARGS, hf.LLAMA3_HF_ADAPTER)
+    except checkpoint.CheckpointError as e:
+        return str(e)
+    return model
+
+
+def _edit_hf(source: Path, out: Path, *, drop: str, add: str) -> Path:
+    """A copy of the one-file HF folder `source` without tensor `drop`, with a tensor `add`."""
+    out.mkdir()
+    (out / "config.json").write_bytes((source / "config.json").read_bytes())
+    (name,) = [p.name for p in source.glob("*.safetensors")]
+    with safe_open(source / name, framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys() if k != drop}
+    save_file({**tensors, add: torch.zeros(2)}, out / name, metadata={"format": "pt"})
+    index = json.loads((source / hf_conversion.HF_INDEX_FILE).read_text())
+    index["weight_map"] = {k: name for k in [*tensors, add]}
+    (out / hf_conversion.HF_INDEX_FILE).write_text(json.dumps(index))
+    return out
+
+
+def test_pipeline_stages_each_load_their_tensors_of_an_hf_folder_that_must_cover_the_model(exported, tmp_path) -> None:
+    _, ours, hf_dir = exported
+    stages = run_world(_load_hf_as_two_stages, 2, str(hf_dir))
+    assert not isinstance(stages[0], str) and not isinstance(stages[1], str), stages
+    assert stages[0].keys().isdisjoint(stages[1])
+    _assert_bitwise({**stages[0], **stages[1]}, _saved_model(ours))
+    # a tensor no stage takes, and one a stage misses: both refused, on both ranks alike
+    bad = _edit_hf(hf_dir, tmp_path / "bad", drop="model.norm.weight", add="model.layers.7.mlp.gate_proj.weight")
+    errors = run_world(_load_hf_as_two_stages, 2, str(bad))
+    assert isinstance(errors[0], str) and errors[0] == errors[1], errors
+    assert "(2 problems)" in errors[0] and "model.layers.7.mlp.gate_proj.weight: not a parameter" in errors[0]
+    assert "model.norm.weight: missing (for norm.weight)" in errors[0]
+
+
 # ------------------------------------------------------------------------------- inspect
 def test_inspect_lists_the_checkpoint_and_exits_0(exported, capsys) -> None:
     _, ours, _ = exported
@@ -368,11 +413,37 @@ def test_inspect_fails_on_a_missing_file_and_on_a_non_checkpoint(exported, tmp_p
     (bad / "rank-0.safetensors").unlink()
     assert _run("inspect", bad) == 1
     assert "rank-0.safetensors: missing" in capsys.readouterr().out
-    assert _run("inspect", exported[2]) == 1  # an HF directory
-    assert "not a committed checkpoint" in capsys.readouterr().out.strip().splitlines()[-1]
     (bad / "index.json").write_text("{not json")
     assert _run("inspect", bad) == 1
     assert "not valid JSON" in capsys.readouterr().out
+
+
+def test_inspect_says_what_a_folder_that_is_no_checkpoint_is_once(exported, tmp_path, capsys) -> None:
+    """A missing path, the folder of step-N checkpoints, a Hugging Face folder: each named for what it is, not
+    as an interrupted save, which a '.tmp-' or index-less step folder still is."""
+    _, ours, hf_dir = exported
+    folder = tmp_path / "checkpoint"
+    folder.mkdir()
+    for name in ("step-4", "step-2", "step-10"):
+        _copy(ours, folder / name)
+    (folder / "step-12.tmp-0123").mkdir()  # an interrupted save is not a checkpoint to pass
+    (folder / "step-10.model-only").mkdir()  # nor is a set-aside one
+    index_less = _copy(ours, tmp_path / "step-5")
+    (index_less / "index.json").unlink()
+    said = {
+        tmp_path / "nowhere": f"{tmp_path / 'nowhere'} does not exist",
+        folder: f"{folder} holds step-2, step-4 and step-10 (checkpoints): pass one of them",
+        hf_dir: f"{hf_dir} is a Hugging Face model folder: use from-hf to convert it",
+        folder / "step-12.tmp-0123": "is not a committed checkpoint (an interrupted save leaves only a '.tmp-'",
+        index_less: "is not a committed checkpoint (an interrupted save leaves only a '.tmp-'",
+    }
+    for path, message in said.items():
+        assert _run("inspect", path) == 1
+        out = capsys.readouterr().out
+        assert message in out.strip().splitlines()[-1] and out.count(message) == 1, out
+        assert ("interrupted save" in out) == (message.startswith("is not a committed")), out
+    assert _run("to-hf", folder, tmp_path / "out") == 1  # the other commands say the same
+    assert f"{folder} holds step-2, step-4 and step-10 (checkpoints)" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------- Hugging Face's model

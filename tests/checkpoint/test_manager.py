@@ -32,8 +32,8 @@ class _Job:
         self.model, self.state = Transformer(ARGS), TrainState()
         meta = {"model_args": dataclasses.asdict(ARGS)}
         states = {"model": ModelState(self.model), "train_state": self.state}
-        options = {"hf_adapter": LLAMA3_HF_ADAPTER, **options}  # as the trainer passes its family's
-        self.manager = CheckpointManager(folder, states, keep_latest_k=0, metadata=meta, **options)  # type: ignore[arg-type]
+        options = {"hf_adapter": LLAMA3_HF_ADAPTER, "keep_latest_k": 0, **options}  # as the trainer passes its family's
+        self.manager = CheckpointManager(folder, states, metadata=meta, **options)  # type: ignore[arg-type]
 
     def run(self, steps: int) -> int:
         """Resume, then 'train' to `steps` (each step nudges the weights), saving as the trainer does."""
@@ -61,6 +61,18 @@ def test_extending_a_run_past_its_model_only_last_save_resumes_from_the_newest_s
     kept = checkpoint.read_index(folder / "step-10.model-only")
     assert not any(k.startswith("train_state") for k in kept.values)  # the export, intact
     assert committed_steps(folder) == [2, 4, 6, 8, 10, 12, 14]
+
+
+def test_keep_latest_k_counts_resumable_steps_so_a_model_only_last_save_never_removes_the_resume_point(
+    tmp_path: Path,
+) -> None:
+    folder = tmp_path / "ckpt"
+    assert _Job(folder, interval=2, keep_latest_k=1).run(6) == 0  # step-6: the model-only last save
+    assert committed_steps(folder) == [4, 6]
+    assert _Job(folder, interval=2, keep_latest_k=1).run(8) == 4, _names(folder)  # extended: after step 4, not 0
+    assert committed_steps(folder) == [6, 8] and (folder / "step-6.model-only").is_dir()  # the first export, kept
+    assert _Job(folder / "k2", interval=2, keep_latest_k=2).run(9) == 0
+    assert committed_steps(folder / "k2") == [6, 8, 9]
 
 
 def _flip_a_byte(step_dir: Path) -> None:

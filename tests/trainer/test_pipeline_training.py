@@ -1,7 +1,7 @@
 """Pipeline parallelism through the trainer: PP(2) with 1F1B, Interleaved1F1B and GPipe, PP(2) x FSDP(2) and
 PP(2) x TP(2) train like one process on the same global batches; a checkpoint saved under PP(2) (each stage
-writes its own FQNs) resumes bitwise on PP(2) and reshards into FSDP(2); what is not built yet is refused in
-the pre-flight."""
+writes its own FQNs) resumes bitwise on PP(2) and reshards into FSDP(2); Hugging Face weights load into the
+stages as into one process; what is not built yet is refused in the pre-flight."""
 
 from __future__ import annotations
 
@@ -116,6 +116,26 @@ def test_a_pipelined_checkpoint_resumes_bitwise_reshards_into_fsdp_and_converts_
     assert convert.main(["to-hf", str(saved), str(tmp_path / "hf")]) == 0
     assert convert.main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "back")]) == 0
     _assert_bitwise(_saved_model(tmp_path / "back"), _saved_model(saved))
+
+
+@pytest.mark.parametrize("flavor", ["debugmodel", "1B"], ids=["untied", "tied"])
+def test_hugging_face_weights_load_into_each_stage_as_into_one_process(tmp_path: Path, flavor: str) -> None:
+    """checkpoint.initial_load_in_hf under PP(2): each stage takes its own tensors of the folder `to-hf` made of a
+    short run's last save (the last stage's copy of a tied output weight is the embedding's), and trains on from
+    them as one process does; the trained weights lower the first loss, so they were loaded."""
+    from checkpoint import convert
+    from tests.trainer.test_resume import _train_tied_rank
+
+    train = _train_tied_rank if flavor == "1B" else _train_rank
+    job = [*JOB, "--model.flavor", flavor, "--training.steps", "2"]
+    trained = _losses(run_world(train, 1, [*job, *LAST_SAVE, "--job.dump_folder", str(tmp_path / "source")])[0])
+    hf = tmp_path / "hf"
+    assert convert.main(["to-hf", str(tmp_path / "source" / "checkpoint" / "step-2"), str(hf)]) == 0
+    load = [*job, "--checkpoint.initial_load_path", str(hf), "--checkpoint.initial_load_in_hf"]
+    one = _losses(run_world(train, 1, [*load, "--job.dump_folder", str(tmp_path / "one")])[0])
+    pp = _losses(run_world(train, 2, [*load, *PP2, "--job.dump_folder", str(tmp_path / "pp")])[0])
+    assert len(one) == 2 and one[0] < trained[0] - 0.1, (trained, one)
+    assert pp == pytest.approx(one, abs=2e-4), (one, pp)
 
 
 def test_a_csv_schedule_trains_like_the_named_one(tmp_path: Path, one_process: list[float]) -> None:
@@ -260,6 +280,22 @@ def test_run_train_sh_trains_a_two_stage_pipeline_like_one_process_and_fsdp_resu
     resumed, out = _run_train_sh(*fsdp2, "--job.dump_folder", str(tmp_path / "fsdp"))
     assert "mesh_dim_names=('dp_shard',)" in out and "step-2" in out, out[-3000:]
     assert resumed == pytest.approx(one_process[2:], abs=2e-4), (one_process, resumed)
+
+
+@pytest.mark.e2e
+def test_run_train_sh_trains_a_two_stage_pipeline_from_a_hugging_face_folder(
+    tmp_path: Path, one_process_run: tuple[list[float], Path]
+) -> None:
+    """The user's command: `to-hf` of a run's last save, then PP(2) with checkpoint.initial_load_in_hf through the
+    script; it trains on from those weights as one process does."""
+    from checkpoint import convert
+
+    hf = tmp_path / "hf"
+    assert convert.main(["to-hf", str(one_process_run[1] / "checkpoint" / "step-4"), str(hf)]) == 0
+    load = ["--training.steps", "2", "--checkpoint.initial_load_path", str(hf), "--checkpoint.initial_load_in_hf"]
+    pipelined, out = _run_train_sh(*PP2, *load, "--job.dump_folder", str(tmp_path / "pp"))
+    one = _losses(run_world(_train_rank, 1, [*JOB, *load, "--job.dump_folder", str(tmp_path / "one")])[0])
+    assert f"initialized from {hf}" in out and pipelined == pytest.approx(one, abs=2e-4), (one, pipelined)
 
 
 def test_tied_embeddings_across_the_first_and_last_stage_train_like_one_process(tmp_path: Path) -> None:

@@ -181,6 +181,19 @@ def test_a_tied_model_saves_its_weight_once_and_resumes_bitwise(tmp_path) -> Non
     assert saved.keys() == got.keys() and all(torch.equal(saved[k], got[k]) for k in saved)
 
 
+def test_keep_latest_k_1_keeps_the_resume_point_next_to_the_model_only_last_save(tmp_path) -> None:
+    """With keep_latest_k=1 and the default model-only last save, a longer run resumes after the last resumable
+    step (and goes on from its state), not from step 0 on the export's weights."""
+    argv = [a for a in _JOB if a not in ("--checkpoint.last_save_model_only", "false")]
+    argv[argv.index("--checkpoint.keep_latest_k") + 1] = "1"
+    argv += ["--job.dump_folder", str(tmp_path)]
+    first = _losses(run_world(_train_rank, 2, argv)[0])
+    assert committed_steps(tmp_path / "checkpoint") == [2, 4]  # step-4: the export
+    argv[argv.index("--training.steps") + 1] = "6"
+    longer = _losses(run_world(_train_rank, 2, argv)[0])
+    assert len(longer) == 4 and longer[0] == first[2], (first, longer)  # steps 3 to 6, step 3 as before
+
+
 # ------------------------------------------------------------------ torchtitan's [checkpoint] keys
 def test_an_initial_checkpoint_loads_without_checkpoint_enable(straight, tmp_path) -> None:
     """initial_load_path with enable=false (initial_load_model_only=false: the whole state) continues the

@@ -246,7 +246,9 @@ class Checkpoint:
     """"async": stage to CPU memory and write on a background thread (the loop waits only for the copy);
     "async_with_pinned_mem" stages into pinned memory on CUDA."""
     keep_latest_k: int = 10
-    """Keep only the newest k committed checkpoints (0: keep all)."""
+    """Keep the newest k resumable checkpoints and the steps after them; older ones are deleted (0: keep all).
+    A model-only save (the last save's export, a seed) does not count against them, so k=1 keeps the newest
+    resume point next to the last save's export (torchtitan refuses k=1)."""
     load_step: int = -1
     """Resume from this step's checkpoint instead of the latest (-1: latest)."""
     exclude_from_loading: list[str] = field(default_factory=list)
