@@ -264,13 +264,13 @@ class CheckpointManager:
             self._pending = async_save(
                 state_dict, directory, process_group=self._group, executor=self._executor, metadata=self.metadata
             )
-            self._pending.add_done_callback(lambda _: self._purge())
+            self._pending.add_done_callback(lambda _: self._purge(step))
             logger.info("checkpoint step %d staged in %.2f s (after %.2f s waiting for the previous save), writing in "
                         "the background", step, time.perf_counter() - t0, waited)  # fmt: skip
         else:
             save(state_dict, directory, metadata=self.metadata)
             logger.info("checkpoint step %d saved to %s in %.2f s", step, directory, time.perf_counter() - t0)
-            self._purge()
+            self._purge(step)
 
     def _save_hf(self, step: int) -> None:
         """The model as the Hugging Face folder `step-<N>-hf/` in export_dtype (synchronous, as torchtitan's)."""
@@ -338,13 +338,14 @@ class CheckpointManager:
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
 
-    def _purge(self) -> None:
-        """Keep the newest `keep_latest_k` resumable steps and what is newer (`steps_to_purge`; rank 0 deletes)."""
+    def _purge(self, saved: int) -> None:
+        """After the save of step `saved`: keep the newest `keep_latest_k` resumable steps and what is newer
+        (`steps_to_purge`; rank 0 deletes)."""
         if self.rank != 0 or self.keep_latest_k <= 0:
             return
         kinds = {n: step_kind(p, self.roles.resumable) for n, p in step_folders(self.folder).items()}
         stateless = self.roles.resumable not in self.states  # nothing it saves is resumable: every save counts
-        for step in steps_to_purge(kinds, self.keep_latest_k, count_model_only=stateless):
+        for step in steps_to_purge(kinds, self.keep_latest_k, saved=saved, count_model_only=stateless):
             # renamed first, so a crash mid-delete leaves a leftover (cleaned at start), never a
             # committed-looking directory with files missing
             doomed = temporary_dir(self._dir(step), "purge")

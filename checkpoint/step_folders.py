@@ -61,12 +61,18 @@ def step_kind(directory: Path, resumable: str = "train_state") -> StepKind:
     return StepKind.RESUMABLE if has_state else StepKind.MODEL_ONLY
 
 
-def steps_to_purge(kinds: dict[int, StepKind], keep: int, *, count_model_only: bool = False) -> list[int]:
-    """The steps `keep_latest_k=keep` removes from a folder whose steps hold `kinds`: every loadable step older
-    than the `keep`-th newest resumable one. A model-only save (the last save's export, a seed) does not count
-    against the resumable ones, so the newest resume point is always kept; the save goes once it is older
-    than every kept resume point. `count_model_only`: a job without resumable state counts its saves, all
-    model-only. Incomplete, unreadable and set-aside folders are never removed."""
+def steps_to_purge(
+    kinds: dict[int, StepKind], keep: int, *, saved: int | None = None, count_model_only: bool = False
+) -> list[int]:
+    """The steps `keep_latest_k=keep` removes from a folder whose steps hold `kinds`, after the save of step
+    `saved`: every loadable step older than the `keep`-th newest resumable one up to `saved`. A model-only save
+    (the last save's export, a seed) does not count against the resumable ones, so the newest resume point is
+    always kept; the save goes once it is older than every kept resume point. Steps newer than `saved` (an
+    earlier run's, passed over by checkpoint.load_step) neither count nor go, so they never push out this run's
+    own saves. `count_model_only`: a job without resumable state counts its saves, all model-only. Incomplete,
+    unreadable and set-aside folders are never removed."""
+    if saved is not None:
+        kinds = {n: kind for n, kind in kinds.items() if n <= saved}
     counted = (StepKind.RESUMABLE, StepKind.MODEL_ONLY) if count_model_only else (StepKind.RESUMABLE,)
     steps = sorted(n for n, kind in kinds.items() if kind in counted)
     if keep <= 0 or len(steps) <= keep:

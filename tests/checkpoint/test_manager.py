@@ -75,6 +75,16 @@ def test_keep_latest_k_counts_resumable_steps_so_a_model_only_last_save_never_re
     assert committed_steps(folder / "k2") == [6, 8, 9]
 
 
+def test_keep_latest_k_never_removes_the_step_just_saved_for_an_earlier_run_s_newer_one(tmp_path: Path) -> None:
+    """A run resumed from an older step (checkpoint.load_step) keeps an earlier run's newer steps, passed over:
+    before, with keep_latest_k 1 they counted as the newest and each of this run's saves was deleted at once."""
+    folder = tmp_path / "ckpt"
+    _Job(folder, interval=2, last_save_model_only=False).run(10)  # steps 2 .. 10, all resumable
+    assert _Job(folder, interval=2, keep_latest_k=1, load_step=4, last_save_model_only=False).run(6) == 4
+    assert 6 in committed_steps(folder) and 10 in committed_steps(folder), _names(folder)
+    assert 4 not in committed_steps(folder), _names(folder)  # older than this run's newest save: purged
+
+
 def _flip_a_byte(step_dir: Path) -> None:
     data = step_dir / "rank-0.safetensors"
     raw = bytearray(data.read_bytes())
