@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,6 +73,15 @@ class TransformerModelArgs:
             raise ValueError(f"dim({self.dim}) must be divisible by n_heads({self.n_heads})")
         if self.n_heads % n_kv_heads:
             raise ValueError(f"n_heads({self.n_heads}) must be divisible by n_kv_heads({n_kv_heads})")
+
+    @classmethod
+    def from_hf_config(cls, config: dict[str, Any]) -> TransformerModelArgs:
+        """The args of a Hugging Face Llama `config.json` (models/llama3/hf_adapter.py: args_from_hf_config):
+        a published flavor's own fields when the shape is one, ValueError naming what our model lacks."""
+        # imported here: hf_adapter imports this module (and torch, which the pre-flight's flavors must not)
+        from .hf_adapter import args_from_hf_config
+
+        return args_from_hf_config(config)
 
     @property
     def head_dim(self) -> int:

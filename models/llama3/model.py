@@ -1,134 +1,56 @@
-"""Llama 3 on one device: RMSNorm, RoPE, grouped-query attention, SwiGLU (imports only torch, split_causal.py and
-rms_norm.py, which import only torch).
+"""Llama 3 on one device: the shared layers of models/common (RMSNorm, RoPE with Llama 3.1's scaling,
+grouped-query attention, SwiGLU) composed into pre-norm blocks (imports only torch and models.common).
 
-Parallelism is applied from outside (parallelize.py). To let tensor-parallel sharding of the
-projections work unchanged, attention never uses the configured head counts to reshape: it infers
-the local head count from the projection outputs (`view(B, T, -1, head_dim)`), so a rank holding
-n_heads / tp query heads and n_kv_heads / tp key/value heads runs the same code.
+Parallelism is applied from outside (parallelize.py), by module name: the names here (`tok_embeddings`,
+`layers.N.attention.wq`, `layers.N.feed_forward.w1`, `norm`, `output`, ...) are the TP plan's, the
+checkpoint's and the Hugging Face adapter's keys.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
 from typing import cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .args import RoPEScalingArgs, TransformerModelArgs
-from .rms_norm import RMSNorm
-from .split_causal import split_causal_attention, splits_causal_square
+from models.common import (
+    FeedForward,
+    GroupedQueryAttention,
+    RMSNorm,
+    apply_rotary_emb,
+    causal_attention,
+    leading_positions,
+    precompute_freqs_cis,
+    scale_rope_freqs,
+)
+
+from .args import TransformerModelArgs
+
+# the shared layers Llama 3 used to define here, still importable from this module
+__all__ = [
+    "Attention",
+    "FeedForward",
+    "RMSNorm",
+    "Transformer",
+    "TransformerBlock",
+    "apply_rotary_emb",
+    "causal_attention",
+    "leading_positions",
+    "precompute_freqs_cis",
+    "scale_rope_freqs",
+]
 
 
-def precompute_freqs_cis(
-    head_dim: int, end: int, theta: float = 10000.0, scaling: RoPEScalingArgs | None = None
-) -> torch.Tensor:
-    """RoPE rotations e^{i m theta_j} for positions m < end (Su et al. 2021): (end, head_dim/2) complex64.
-    With `scaling`, the frequencies are first rescaled as Llama 3.1 does (`scale_rope_freqs`)."""
-    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2)[: head_dim // 2].float() / head_dim))
-    if scaling is not None:
-        freqs = scale_rope_freqs(freqs, scaling)
-    angles = torch.outer(torch.arange(end, device=freqs.device).float(), freqs)  # (end, Dh/2)
-    return torch.polar(torch.ones_like(angles), angles)
-
-
-def scale_rope_freqs(freqs: torch.Tensor, scaling: RoPEScalingArgs) -> torch.Tensor:
-    """Llama 3.1's long-context RoPE (Meta's llama-models `apply_scaling`; HF rope type "llama3").
-
-    With L = original_max_position_embeddings and wavelength w = 2 pi / f: frequencies with
-    w < L / high_freq_factor (many turns within the original context) are kept, those with
-    w > L / low_freq_factor are divided by scaling_factor, and in between f is interpolated as
-    (1 - s) f / scaling_factor + s f with s = (L / w - low_freq_factor) / (high_freq_factor - low_freq_factor).
-    """
-    context = scaling.original_max_position_embeddings
-    wavelen = 2 * math.pi / freqs
-    high_freq_wavelen = context / scaling.high_freq_factor
-    low_freq_wavelen = context / scaling.low_freq_factor
-    scaled = torch.where(wavelen > low_freq_wavelen, freqs / scaling.scaling_factor, freqs)
-    smooth = (context / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
-    smoothed = (1 - smooth) * scaled / scaling.scaling_factor + smooth * scaled
-    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
-
-
-def apply_rotary_emb(xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate consecutive pairs of xq / xk channels, (B, T, H, Dh), by position (complex multiply)."""
-    seqlen = xq.shape[1]
-    freqs = freqs_cis[:seqlen].view(1, seqlen, 1, -1)  # (1, T, 1, Dh/2)
-    xq_c = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))  # (B, T, H, Dh/2)
-    xk_c = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))  # (B, T, Hkv, Dh/2)
-    xq_out = torch.view_as_real(xq_c * freqs).flatten(3)  # (B, T, H, Dh)
-    xk_out = torch.view_as_real(xk_c * freqs).flatten(3)  # (B, T, Hkv, Dh)
-    return xq_out.type_as(xq), xk_out.type_as(xk)
-
-
-def leading_positions(seqlen: int) -> slice:
-    """The RoPE rows of a whole sequence on one device: positions 0 .. seqlen-1."""
-    return slice(0, seqlen)
-
-
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal SDPA of (B, H, T, Dh) queries over (B, Hkv, T, Dh) keys and values (on the CPU at 257..512
-    tokens through the halves of the causal square, which torch's CPU kernel computes whole: split_causal.py)."""
-    if splits_causal_square(q, k):
-        return split_causal_attention(q, k, v)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-
-
-class Attention(nn.Module):
-    """Causal grouped-query self-attention with rotary embeddings.
+class Attention(GroupedQueryAttention):
+    """Llama 3's attention: grouped-query, head_dim = dim / n_heads, no QK-norm (models/common/attention.py).
 
     `positions` and `core_attention` are what context parallelism swaps (models/llama3/parallelize.py:
     apply_cp): the RoPE rows of this rank's tokens, and the attention over a sequence sharded across ranks.
     """
 
     def __init__(self, args: TransformerModelArgs) -> None:
-        super().__init__()
         n_kv_heads = args.n_heads if args.n_kv_heads is None else args.n_kv_heads
-        self.head_dim = args.head_dim
-        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, n_kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
-        self.positions: Callable[[int], slice | torch.Tensor] = leading_positions
-        self.core_attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = causal_attention
-
-    def init_weights(self, init_std: float) -> None:
-        for linear in (self.wq, self.wk, self.wv):
-            nn.init.trunc_normal_(linear.weight, mean=0.0, std=0.02)
-        nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
-
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-        bs, seqlen, _ = x.shape
-        # -1: the local head count, n_heads / tp under tensor parallelism
-        xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)  # (B, T, H, Dh)
-        xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)  # (B, T, Hkv, Dh)
-        xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)  # (B, T, Hkv, Dh)
-        xq, xk = apply_rotary_emb(xq, xk, freqs_cis[self.positions(seqlen)])
-        xq, xk, xv = (t.transpose(1, 2) for t in (xq, xk, xv))  # (B, H|Hkv, T, Dh)
-        out = self.core_attention(xq, xk, xv)  # (B, H, T, Dh)
-        out = out.transpose(1, 2).contiguous().view(bs, seqlen, -1)  # (B, T, H*Dh)
-        return self.wo(out)
-
-
-class FeedForward(nn.Module):
-    """SwiGLU MLP (Shazeer 2020): w2(silu(w1 x) * w3 x), `hidden_dim` wide (TransformerModelArgs.ffn_hidden_dim)."""
-
-    def __init__(self, dim: int, hidden_dim: int) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
-
-    def init_weights(self, init_std: float) -> None:
-        nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=0.02)
-        for linear in (self.w2, self.w3):
-            nn.init.trunc_normal_(linear.weight, mean=0.0, std=init_std)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        super().__init__(args.dim, args.n_heads, n_kv_heads, args.head_dim)
 
 
 class TransformerBlock(nn.Module):

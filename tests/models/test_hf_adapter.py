@@ -10,10 +10,10 @@ import math
 import pytest
 import torch
 
+from models.common.rope import apply_rotary_emb, precompute_freqs_cis, scale_rope_freqs
 from models.hf_adapters import hf_adapter
 from models.llama3 import RoPEScalingArgs, Transformer, TransformerModelArgs, llama3_configs, parameter_shapes
 from models.llama3 import hf_adapter as hf
-from models.llama3.model import apply_rotary_emb, precompute_freqs_cis, scale_rope_freqs
 
 ARGS = TransformerModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, multiple_of=16, max_seq_len=32)
 
@@ -83,6 +83,21 @@ def test_hf_config_round_trips_every_flavor(name: str) -> None:
     assert back.ffn_hidden_dim == args.ffn_hidden_dim == config["intermediate_size"]
     assert hf.closest_flavor(back) == name
     assert hf.hf_config(back, dtype="bfloat16") == config
+
+
+@pytest.mark.parametrize("name", sorted(llama3_configs))
+def test_from_hf_config_is_the_adapters_reading_of_every_flavor(name: str) -> None:
+    config = hf.hf_config(llama3_configs[name], dtype="bfloat16")
+    args = TransformerModelArgs.from_hf_config(config)
+    assert args == hf.args_from_hf_config(config)
+    assert hf.closest_flavor(args) == name
+
+
+def test_from_hf_config_reads_a_custom_shape_and_refuses_what_the_model_lacks() -> None:
+    config = hf.hf_config(ARGS, dtype="float32")
+    assert TransformerModelArgs.from_hf_config(config) == ARGS
+    with pytest.raises(ValueError, match="attention_bias=true"):
+        TransformerModelArgs.from_hf_config(config | {"attention_bias": True})
 
 
 def test_hf_config_describes_rope_scaling_and_reads_both_transformers_formats() -> None:

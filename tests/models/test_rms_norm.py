@@ -1,4 +1,4 @@
-"""models/llama3/rms_norm.py: nn.RMSNorm's values, a closed-form backward on fp32 CPU tensors."""
+"""models/common/rms_norm.py: nn.RMSNorm's values, a closed-form backward on fp32 CPU tensors."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from models.llama3.rms_norm import RMSNorm, _RMSNormCPU
+from models.common.rms_norm import RMSNorm, _RMSNormCPU
 
 
 def _pair(dim: int) -> tuple[nn.RMSNorm, RMSNorm]:

@@ -1,4 +1,4 @@
-"""The split causal attention (models/llama3/split_causal.py) against SDPA: the same output and gradients
+"""The split causal attention (models/common/split_causal.py) against SDPA: the same output and gradients
 (fp32 to rounding; bf16 no further from an fp64 reference than SDPA's own bf16 result), grouped K/V heads,
 and taken exactly where its docstring says."""
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.llama3.model import causal_attention
-from models.llama3.split_causal import _SplitCausal, split_causal_attention, split_levels, splits_causal_square
+from models.common.attention import causal_attention
+from models.common.split_causal import _SplitCausal, split_causal_attention, split_levels, splits_causal_square
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
