@@ -121,7 +121,9 @@ def build_parallel_model(cfg: JobConfig, runtime: Runtime, vocab_size: int) -> n
         torch.manual_seed(cast(int, cfg.training.seed))
         init_model(part, runtime.device)
         if cfg.training.dtype == "bfloat16":  # torchtitan's training.dtype: no float32 master weights at all
-            part.to(torch.bfloat16)
+            # floating tensors only: Module.to(dtype) also casts complex buffers, and RoPE's freqs_cis, cast to
+            # a real dtype, loses its imaginary part (every position's rotation would read as a scaling)
+            part._apply(lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t)
     return assemble_pipeline(cfg, runtime, whole, parts, stage_ids) if pp else whole
 
 

@@ -44,6 +44,7 @@ def _built(argv: list[str]) -> dict:
     return {
         "betas": group["betas"], "fused": group["fused"], "foreach": group["foreach"],
         "dtypes": {p.dtype for p in model.parameters()},
+        "buffers": {name: b.dtype for name, b in model.named_buffers()},
         "checkpointed": [b.__dict__.get("_ac_checkpointed", False) for b in blocks],
         "lrs": lrs, "reshard": reshard,
     }  # fmt: skip
@@ -59,6 +60,7 @@ def test_optimizer_schedule_dtype_and_ac_keys_take_effect() -> None:
     built = run_world(_built, 1, argv)[0]
     assert built["betas"] == (0.8, 0.99) and built["foreach"] is False and not built["fused"]
     assert built["dtypes"] == {torch.bfloat16}
+    assert built["buffers"] == {"freqs_cis": torch.complex64}  # before: bfloat16, its imaginary part dropped
     assert built["checkpointed"] == [False, True] * 3  # every 2nd of the debug model's 6 blocks
     lrs = built["lrs"]  # warmup 2, stable 3, decay 5 (decay_ratio 0.5 of 10 steps)
     assert lrs[2] == lrs[3] == lrs[4] == pytest.approx(8e-4) and lrs[0] < lrs[1] < lrs[2]
