@@ -120,10 +120,7 @@ def build_parallel_model(cfg: JobConfig, runtime: Runtime, vocab_size: int) -> n
         # identical on every rank (run_job resolved a None seed): the init fills stay in step
         torch.manual_seed(cast(int, cfg.training.seed))
         init_model(part, runtime.device)
-        if cfg.training.dtype == "bfloat16":  # torchtitan's training.dtype: no float32 master weights at all
-            # floating tensors only: Module.to(dtype) also casts complex buffers, and RoPE's freqs_cis, cast to
-            # a real dtype, loses its imaginary part (every position's rotation would read as a scaling)
-            part._apply(lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t)
+        to_training_dtype(part, cfg.training.dtype)
     return assemble_pipeline(cfg, runtime, whole, parts, stage_ids) if pp else whole
 
 
@@ -142,3 +139,11 @@ def assemble_pipeline(
     tie_ref = weakref.ref(tie_group) if tie_group is not None else None  # c10d keeps it until destroyed
     model.__dict__["pipeline"] = Pipeline(model, stages, setup.schedule, setup.microbatches, pp_mesh, tie_ref)
     return model
+
+
+def to_training_dtype(model: nn.Module, dtype: str) -> None:
+    """torchtitan's training.dtype "bfloat16": no float32 master weights at all. Floating tensors only:
+    Module.to(dtype) also casts complex buffers, and RoPE's freqs_cis cast to a real dtype loses its imaginary
+    part (every position's rotation would read as a scaling)."""
+    if dtype == "bfloat16":
+        model._apply(lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t)

@@ -32,7 +32,7 @@ from parallelisms.dtensor.debug import CommDebugMode, _defers_to_subclass, count
 from parallelisms.fsdp import MixedPrecisionPolicy
 from parallelisms.parallel_dims import FLATTENED
 
-from ..build import assemble_pipeline, build_job_optimizer, build_model, init_model
+from ..build import assemble_pipeline, build_job_optimizer, build_model, init_model, to_training_dtype
 from ..config import load_config
 from ..config.data_files import accumulation_steps
 from ..config.sections import JobConfig
@@ -193,8 +193,7 @@ def _allocate(cfg: JobConfig, model: torch.nn.Module, device: torch.device, *, f
             model.freqs_cis = model._precompute_freqs_cis()  # type: ignore[operator]
     else:
         init_model(model, device)  # type: ignore[arg-type]
-    if cfg.training.dtype == "bfloat16":
-        model.to(torch.bfloat16)
+    to_training_dtype(model, cfg.training.dtype)
 
 
 def _step_setup(
