@@ -367,11 +367,16 @@ def _check_checkpoint(cfg: JobConfig) -> None:
     if ckpt.initial_load_path and not ckpt.initial_load_in_hf:  # loaded whether or not saving is enabled
         from pathlib import Path
 
-        if not (Path(ckpt.initial_load_path) / "index.json").is_file():
-            raise ValueError(
-                f"checkpoint.initial_load_path={ckpt.initial_load_path!r} is not a committed checkpoint (no "
-                f"index.json); point it at a step-<N> directory or at `python -m checkpoint.convert from-hf` output"
-            )
+        path, key = Path(ckpt.initial_load_path), f"checkpoint.initial_load_path={ckpt.initial_load_path!r}"
+        if (path / "index.json").is_file():
+            return
+        if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
+            raise ValueError(f"{key} is a Hugging Face model folder, not a meshtrain checkpoint; set "
+                             f"checkpoint.initial_load_in_hf=true to load it")  # fmt: skip
+        raise ValueError(
+            f"{key} is not a committed checkpoint (no index.json); point it at a step-<N> directory or at "
+            f"`python -m checkpoint.convert from-hf` output"
+        )
 
 
 def _check_data(cfg: JobConfig, *, local_files: bool = True) -> None:

@@ -211,3 +211,15 @@ def test_profiling_that_can_never_record_is_warned(tmp_path: Path) -> None:
                         "--training.steps", "5")  # fmt: skip
     assert any("profiling.profile_freq(10) > training.steps(5)" in w for w in warnings), warnings
     assert not any("profile_freq" in w for w in _checked(tmp_path, "--profiling.enable_profiling"))
+
+
+def test_an_hf_folder_as_initial_load_path_is_pointed_at_initial_load_in_hf(tmp_path: Path) -> None:
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (hf / "model.safetensors").write_bytes(b"")
+    with pytest.raises(
+        ValueError,
+        match=r"is a Hugging Face model folder, not a meshtrain checkpoint; set checkpoint.initial_load_in_hf=true",
+    ):
+        _checked(tmp_path, "--checkpoint.initial_load_path", str(hf))
