@@ -221,6 +221,15 @@ def _whole_model_flops_per_token(name: str, flavor: str, vocab: int, seq_len: in
                            seq_len=seq_len)  # fmt: skip
 
 
+def _fake_tensors(fake: bool) -> contextlib.ExitStack:
+    """The context a traced step runs in: fake tensors (real ones the job already holds stay real), or nothing."""
+    fakes = contextlib.ExitStack()
+    if fake:
+        fakes.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+        fakes.enter_context(RealTensorsStayReal())
+    return fakes
+
+
 def trace_step(
     cfg: JobConfig, runtime: Runtime, *, fake: bool, vocab_size: int | None = None, layers: int | None = None
 ) -> StepTrace:
@@ -231,11 +240,7 @@ def trace_step(
     n_layers = model.model_args.n_layers
     _parallelize(cfg, runtime, model)
     comm = MeshCommDebugMode(group_names(runtime.world_mesh))
-    fakes = contextlib.ExitStack()
-    if fake:
-        fakes.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
-        fakes.enter_context(RealTensorsStayReal())
-    with fakes, track_live_bytes() as live:
+    with _fake_tensors(fake), track_live_bytes() as live:
         _allocate(cfg, model, runtime.device, fake=fake)
         optimizer = build_job_optimizer(cfg, model)
         shape = (training.local_batch_size, training.seq_len)
@@ -305,11 +310,7 @@ def trace_pipeline_step(
     for part in parts:
         _parallelize(cfg, runtime, part)
     comm = MeshCommDebugMode(group_names(runtime.world_mesh))
-    fakes = contextlib.ExitStack()
-    if fake:
-        fakes.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
-        fakes.enter_context(RealTensorsStayReal())
-    with fakes, track_live_bytes() as live:
+    with _fake_tensors(fake), track_live_bytes() as live:
         for part in parts:
             _allocate(cfg, part, runtime.device, fake=fake)
         model = assemble_pipeline(cfg, runtime, whole, parts, stage_ids)
