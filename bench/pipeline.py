@@ -54,9 +54,9 @@ from torch.distributed.pipelining import schedules as torch_schedules
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from models.common.pipeline_split import module_fqns_per_stage, split_model
 from models.llama3 import llama3_configs
 from models.llama3.model import Transformer
-from models.llama3.pipeline_split import module_fqns_per_stage, split_model
 from parallelisms.pipeline_parallel import (
     SCHEDULES,
     Costs,

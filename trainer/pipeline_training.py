@@ -24,8 +24,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from models.common.pipeline_split import split_model, tied_across_stages
 from models.llama3 import Transformer
-from models.llama3.pipeline_split import split_model, tied_across_stages
 from parallelisms.dtensor import DeviceMesh, DTensor
 from parallelisms.dtensor.dtensor import local_tensor
 from parallelisms.pipeline_parallel import ScheduleSpec, lower_schedule, stage_to_rank

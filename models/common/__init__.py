@@ -1,33 +1,11 @@
 """Single-device layers shared by the model families (imports only torch; never `parallelisms`).
 
-One file per idea: rms_norm.py (RMSNorm, fused CPU backward), rope.py (rotary tables, Llama 3.1 scaling,
-`apply_rotary_emb`), attention.py (grouped-query attention, optional QK-norm), split_causal.py (the CPU
-causal-attention kernel path it takes at 257..512 tokens), feed_forward.py (SwiGLU). A family's model.py
-composes them (docs/architecture.md §8).
+One file per idea: rms_norm.py (RMSNorm, fused CPU backward), rope.py (rotary tables, Llama 3.1 and YaRN
+scaling, both channel layouts), attention.py (grouped-query attention, optional QK-norm), split_causal.py (the
+CPU causal-attention kernel path it takes at 257..512 tokens), feed_forward.py (SwiGLU), moe.py (the
+mixture-of-experts layer) with its torch-free arguments in moe_args.py. A family's model.py composes them
+(docs/architecture.md §8).
+
+This package module imports nothing, so a family's torch-free args (the pre-flight's flavors) can import
+`models.common.moe_args` without torch: import the layers from their modules.
 """
-
-from .attention import GroupedQueryAttention, causal_attention, leading_positions
-from .feed_forward import FeedForward
-from .rms_norm import RMSNorm
-from .rope import (
-    Llama3RoPEScaling,
-    apply_rotary_emb,
-    precompute_freqs_cis,
-    rope_frequencies,
-    rotary_table,
-    scale_rope_freqs,
-)
-
-__all__ = [
-    "FeedForward",
-    "GroupedQueryAttention",
-    "Llama3RoPEScaling",
-    "RMSNorm",
-    "apply_rotary_emb",
-    "causal_attention",
-    "leading_positions",
-    "precompute_freqs_cis",
-    "rope_frequencies",
-    "rotary_table",
-    "scale_rope_freqs",
-]

@@ -174,7 +174,7 @@ def apply_fsdp(
     for i, block in enumerate(blocks):
         last = i == len(blocks) - 1
         fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward and not last)
-    # a pipeline part may lack the embedding or the head (models/llama3/pipeline_split.py)
+    # a pipeline part may lack the embedding or the head (models/common/pipeline_split.py)
     embeddings = cast(nn.Module | None, model.tok_embeddings)
     head = [cast(nn.Module, m) for m in (model.norm, model.output) if m is not None]
     if model.model_args.tie_word_embeddings and embeddings is not None:  # type: ignore[union-attr]

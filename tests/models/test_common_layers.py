@@ -13,14 +13,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.common import (
-    FeedForward,
-    GroupedQueryAttention,
-    RMSNorm,
-    apply_rotary_emb,
-    precompute_freqs_cis,
-    rope_frequencies,
-)
+from models.common.attention import GroupedQueryAttention
+from models.common.feed_forward import FeedForward
+from models.common.rms_norm import RMSNorm
+from models.common.rope import apply_rotary_emb, precompute_freqs_cis, rope_frequencies
 from models.llama3 import Transformer, TransformerModelArgs
 from models.llama3 import hf_adapter as hf
 from models.llama3.model import Attention

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from models.common.pipeline_split import module_fqns_per_stage, split_model
 from models.llama3 import Transformer, llama3_configs
-from models.llama3.pipeline_split import module_fqns_per_stage, split_model
 from parallelisms.dtensor.layout_invariant_init import layout_invariant_init
 from tests.world import run_world
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from models.common.stage_split import check_module_fqns, module_fqns_per_stage
 from models.llama3.args import llama3_configs
-from models.llama3.stage_split import check_module_fqns, module_fqns_per_stage
 from parallelisms.pipeline_parallel import ScheduleSpec, StagePlacement, csv_schedule_spec, get_schedule, stage_to_rank
 
 from .sections import JobConfig

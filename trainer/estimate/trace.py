@@ -190,7 +190,7 @@ def _allocate(cfg: JobConfig, model: torch.nn.Module, device: torch.device, *, f
         if cast(TransformerModelArgs, model.model_args).tie_word_embeddings:
             model.tie_weights()  # type: ignore[operator]
         with torch.device(device):
-            model.freqs_cis = model._precompute_freqs_cis()  # type: ignore[operator]
+            model.freqs_cis = model.rotary_table()  # type: ignore[operator]
     else:
         init_model(model, device)  # type: ignore[arg-type]
     to_training_dtype(model, cfg.training.dtype)

@@ -1,4 +1,4 @@
-"""Which modules each pipeline stage holds: torchtitan's split of a Llama's layers, torch-free (the pre-flight
+"""Which modules each pipeline stage holds: torchtitan's split of a decoder's layers, torch-free (the pre-flight
 checks a split without importing torch)."""
 
 from __future__ import annotations

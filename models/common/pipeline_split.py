@@ -1,4 +1,4 @@
-"""Splitting a Llama into pipeline model parts that keep the global FQNs.
+"""Splitting a decoder (any family: models/common/decoder.py) into pipeline model parts that keep the global FQNs.
 
 `module_fqns_per_stage` is torchtitan's split (`generate_llm_fqn_per_model_part`): the embedding counts as
 `first_stage_less_layers` layers and norm + output as `last_stage_less_layers`, and the effective layers are
@@ -14,13 +14,13 @@ import copy
 
 from torch import nn
 
-from .model import Transformer
+from .decoder import Decoder
 from .stage_split import module_fqns_per_stage
 
 __all__ = ["is_part", "module_fqns_per_stage", "split_model", "tied_across_stages"]
 
 
-def split_model(model: Transformer, fqns: list[str]) -> Transformer:
+def split_model(model: Decoder, fqns: list[str]) -> Decoder:
     """A copy of `model` (build it on meta) with only the modules `fqns` names; the others become None
     (top-level) or are removed from `layers`, so the parameters keep their global names."""
     known = {"tok_embeddings", "norm", "output", *(f"layers.{name}" for name in model.layers)}
@@ -33,7 +33,7 @@ def split_model(model: Transformer, fqns: list[str]) -> Transformer:
     part = copy.deepcopy(model)
     keep = set(fqns)
     # the dropped modules stay, on meta and unregistered, as stand-ins whose init draws what theirs would
-    # (Transformer.init_weights): every part then gets the whole model's weights under one seed
+    # (Decoder.init_weights): every part then gets the whole model's weights under one seed
     absent: dict[str, nn.Module] = {}
     for name in ("tok_embeddings", "norm", "output"):
         if name not in keep:
@@ -47,7 +47,7 @@ def split_model(model: Transformer, fqns: list[str]) -> Transformer:
     return part
 
 
-def tied_across_stages(part: Transformer) -> bool:
+def tied_across_stages(part: Decoder) -> bool:
     """A part holding one of two tied weights (the embedding or the output) whose twin is on another stage:
     both stages keep a copy, initialized alike, whose gradients the trainer sums before the step."""
     return part.model_args.tie_word_embeddings and (part.tok_embeddings is None) != (part.output is None)
@@ -55,4 +55,4 @@ def tied_across_stages(part: Transformer) -> bool:
 
 def is_part(module: nn.Module) -> bool:
     """Whether `module` is a pipeline part (some of the embedding, norm or output are absent)."""
-    return isinstance(module, Transformer) and None in (module.tok_embeddings, module.norm, module.output)
+    return isinstance(module, Decoder) and None in (module.tok_embeddings, module.norm, module.output)
