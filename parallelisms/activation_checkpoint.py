@@ -37,8 +37,9 @@ aten = torch.ops.aten
 # default save list (torch's compute-intensive ops, attention, and `max`, the amax torchao's float8 scaling
 # reads: models.float8 reads it with `linalg_vector_norm`, kept for the same reason, a scalar whose
 # recomputation would read the whole tensor again); float8 linears multiply with `_scaled_mm`, which the
-# policy counts as a matmul, as torchtitan's sees torchao's float8 matmul as `mm`
-_MATMULS = frozenset((aten.mm.default, aten.linear.default, aten._scaled_mm.default))
+# policy counts as a matmul, as torchtitan's sees torchao's float8 matmul as `mm`; an MoE's experts multiply with
+# `_grouped_mm` (one call per weight over all experts), counted as a matmul too
+_MATMULS = frozenset((aten.mm.default, aten.linear.default, aten._scaled_mm.default, aten._grouped_mm.default))
 _SAVE_OPS = _MATMULS | frozenset(
     getattr(aten, name).default
     for name in (

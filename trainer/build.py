@@ -13,9 +13,9 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
+from models.common.decoder import Decoder
 from models.float8 import convert_to_float8_training
-from models.llama3 import Transformer, llama3_configs
-from models.llama3.parallelize import parallelize_llama
+from models.registry import job_model_args, model_family
 from parallelisms.activation_checkpoint import ACMode
 from parallelisms.dtensor.layout_invariant_init import layout_invariant_init
 from parallelisms.fsdp import MixedPrecisionPolicy, precompute_all_gather_scales
@@ -30,18 +30,19 @@ from .runtime import Runtime
 logger = logging.getLogger(__name__)
 
 
-def build_model(cfg: JobConfig, vocab_size: int, *, n_layers: int | None = None) -> Transformer:
-    """The flavor's Transformer on the meta device (no memory; `init_model` allocates the shards
+def build_model(cfg: JobConfig, vocab_size: int, *, n_layers: int | None = None) -> Decoder:
+    """The family's model of the flavor on the meta device (no memory; `init_model` allocates the shards
     after parallelization), its vocabulary the tokenizer's and max_seq_len seq_len; with `n_layers`, only
     its first blocks (the dry run's sampled traces)."""
     # the model's name and flavor: checked by check_config, as every entry point runs it first
-    args = dataclasses.replace(
-        llama3_configs[cfg.model.flavor], vocab_size=vocab_size, max_seq_len=cfg.training.seq_len
-    )
+    args = job_model_args(cfg.model.name, cfg.model.flavor, vocab_size=vocab_size, max_seq_len=cfg.training.seq_len)
     if n_layers is not None:
         args = dataclasses.replace(args, n_layers=n_layers)
+    if getattr(args, "moe_args", None) is not None:  # torchtitan's training.debug_moe_force_load_balance
+        force = cfg.training.debug_moe_force_load_balance
+        args = dataclasses.replace(args, moe_args=dataclasses.replace(args.moe_args, _debug_force_load_balance=force))
     with torch.device("meta"):
-        model = Transformer(args)
+        model = model_family(cfg.model.name).parts.model_class(args)
     if any(name in FLOAT8_CONVERTERS for name in cfg.model.converters):  # before parallelizing, as torchtitan
         f8 = cfg.quantize.linear.float8
         converted = convert_to_float8_training(model, filter_fqns=f8.filter_fqns, emulate=f8.emulate,
@@ -55,7 +56,7 @@ def build_model(cfg: JobConfig, vocab_size: int, *, n_layers: int | None = None)
     return model
 
 
-def init_model(model: Transformer, device: torch.device) -> None:
+def init_model(model: Decoder, device: torch.device) -> None:
     """Allocate this rank's shards on `device` and initialize them. Under one seed the global
     weights are bitwise the same on every layout and world size (layout_invariant_init), so no
     seed checkpoint is needed; no rank ever holds more than its shards."""
@@ -108,8 +109,9 @@ def build_parallel_model(cfg: JobConfig, runtime: Runtime, vocab_size: int) -> n
     ac, p = cfg.activation_checkpoint, cfg.parallelism
     # torchtitan's "default": reshard after forward, except under PP (each microbatch would gather again)
     reshard = p.fsdp_reshard_after_forward == "always" or (p.fsdp_reshard_after_forward == "default" and not pp)
+    parallelize = model_family(cfg.model.name).parts.parallelize
     for part in parts:
-        parallelize_llama(
+        parallelize(
             part, runtime.parallel_dims, runtime.world_mesh, loss_parallel=runtime.loss_parallel,
             ac_mode=cast(ACMode, ac.mode),
             ac_selective_option=ac.selective_ac_option, ac_early_stop=ac.early_stop, mp_policy=mp_policy,
@@ -125,7 +127,7 @@ def build_parallel_model(cfg: JobConfig, runtime: Runtime, vocab_size: int) -> n
 
 
 def assemble_pipeline(
-    cfg: JobConfig, runtime: Runtime, whole: Transformer, parts: list[Transformer], stage_ids: list[int]
+    cfg: JobConfig, runtime: Runtime, whole: Decoder, parts: list[Decoder], stage_ids: list[int]
 ) -> PipelineParts:
     """This rank's parallelized, allocated parts as one model, with their stages and schedule (`.pipeline`)."""
     setup = runtime.pipeline

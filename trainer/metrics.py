@@ -20,12 +20,14 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
 from .train_state import TrainState
+
+if TYPE_CHECKING:
+    from .moe_balance import ExpertLoad
 
 logger = logging.getLogger(__name__)
 
@@ -41,17 +43,6 @@ PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
     ("B200", 2250.0),
 )
 ETA_WINDOW = 5  # log intervals whose mean step time estimates the time left
-
-
-def flops_per_token(model: nn.Module, *, n_layers: int, n_heads: int, head_dim: int, seq_len: int) -> float:
-    """Training FLOPs per token: 6 * N (non-embedding params, forward + backward; Kaplan et al. 2020)
-    plus attention scores and values, 12 * L * H * Q * T (as torchtitan, PaLM appendix B).
-
-    N counts global (not per-shard) parameter sizes: DTensor parameters report their global numel.
-    """
-    n_params = sum(p.numel() for p in model.parameters())
-    n_embedding = model.get_parameter("tok_embeddings.weight").numel()  # the whole model (under PP too)
-    return 6 * (n_params - n_embedding) + 12 * n_layers * n_heads * head_dim * seq_len
 
 
 def lookup_peak_tflops(device_name: str) -> float | None:
@@ -284,6 +275,13 @@ class MetricsLogger:
             for name, value in tensorboard_scalars(m).items():
                 self.writer.add_scalar(name, value, step)
         return m
+
+    def log_expert_load(self, step: int, load: ExpertLoad) -> None:
+        """The MoE layers' routing at `step`: one console line, per-layer scalars in TensorBoard."""
+        logger.info("step %d | %s", step, load.console())
+        if self.writer is not None:
+            for name, value in load.tensorboard().items():
+                self.writer.add_scalar(name, value, step)
 
     # ---------------------------------------------------------------------- cadence and counters
     def should_log(self, step: int) -> bool:

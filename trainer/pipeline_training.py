@@ -24,8 +24,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from models.common.decoder import Decoder
 from models.common.pipeline_split import split_model, tied_across_stages
-from models.llama3 import Transformer
 from parallelisms.dtensor import DeviceMesh, DTensor
 from parallelisms.dtensor.dtensor import local_tensor
 from parallelisms.pipeline_parallel import ScheduleSpec, lower_schedule, stage_to_rank
@@ -50,11 +50,11 @@ class PipelineParts(nn.Module):
     model (the optimizer, the norm and the checkpoint see the embedding only) and `sync_tied_copy` keeps it
     equal to the embedding after each step and each load."""
 
-    parts: list[Transformer]
-    whole: Transformer
+    parts: list[Decoder]
+    whole: Decoder
     pipeline: Pipeline  # set once the stages are built
 
-    def __init__(self, parts: list[Transformer], whole: Transformer) -> None:
+    def __init__(self, parts: list[Decoder], whole: Decoder) -> None:
         super().__init__()
         self.__dict__["parts"] = parts
         self.__dict__["whole"] = whole  # on meta: the model args and the FLOPs count of the whole model
@@ -124,7 +124,7 @@ class Pipeline:
 
 
 def build_stages(
-    setup: PipelineSetup, parts: list[Transformer], stage_indices: list[int], pp_mesh: DeviceMesh,
+    setup: PipelineSetup, parts: list[Decoder], stage_indices: list[int], pp_mesh: DeviceMesh,
     device: torch.device, boundary_dtype: torch.dtype,
 ) -> list[PipelineStage]:  # fmt: skip
     """The stages of this rank's parts; boundary activations are `setup.boundary_shape`, (mb, T/(cp tp), D), in
@@ -138,7 +138,7 @@ def build_stages(
     ]  # fmt: skip
 
 
-def split_for_rank(setup: PipelineSetup, whole: Transformer, pp_rank: int) -> tuple[list[Transformer], list[int]]:
+def split_for_rank(setup: PipelineSetup, whole: Decoder, pp_rank: int) -> tuple[list[Decoder], list[int]]:
     """This rank's parts (of the meta `whole`) and their stage indices."""
     mine = setup.stages_of(pp_rank)
     return [split_model(whole, list(setup.stage_fqns[s])) for s in mine], mine
@@ -182,7 +182,7 @@ def pipeline_train_step(
     return StepResult(total, grad_norm, skipped=False)
 
 
-def _tied_weight(part: Transformer) -> nn.Parameter:
+def _tied_weight(part: Decoder) -> nn.Parameter:
     module = part.tok_embeddings if part.tok_embeddings is not None else part.output
     return module.weight  # type: ignore[return-value]
 

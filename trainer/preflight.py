@@ -165,10 +165,11 @@ _UNAVAILABLE: list[tuple[str, Callable[[Any], bool], str]] = [
      "trainer.estimate); set it to false"),
     ("optimizer.early_step_in_backward", bool, "the optimizer steps after the backward only; set it to false"),
     ("training.enable_cpu_offload", bool, "FSDP CPU offload is not implemented; set it to false"),
-    ("training.debug_moe_force_load_balance", bool, "the llama3 models have no MoE layers; set it to false"),
     ("parallelism.enable_compiled_autograd", bool, "compiled autograd is not supported; set it to false"),
-    ("parallelism.expert_parallel_degree", lambda v: v != 1, "the llama3 models have no MoE layers; set it to 1"),
-    ("parallelism.expert_tensor_parallel_degree", lambda v: v != 1, "the llama3 models have no MoE layers; set 1"),
+    ("parallelism.expert_parallel_degree", lambda v: v != 1, "expert parallelism is not implemented yet: MoE "
+     "models train with their experts sharded by FSDP and TP; set it to 1"),
+    ("parallelism.expert_tensor_parallel_degree", lambda v: v != 1, "expert parallelism is not implemented yet; "
+     "set it to 1"),
     ("checkpoint.initial_load_in_hf_quantized", bool, "quantized HF weights cannot be loaded; set it to false"),
     ("activation_checkpoint.mode", lambda v: v == "memory_budget",
      "memory_budget needs torch.compile's min-cut partitioner, which cannot trace meshtrain's DTensor; use "
@@ -190,14 +191,13 @@ def build_parallel_dims(p: Parallelism, world_size: int) -> ParallelDims:
 def check_names(cfg: JobConfig) -> None:
     """The model, its flavor and the optimizer the config names exist here (before, a typo in a flavor
     launched every rank only for each to fail building the model)."""
-    from models.llama3.args import llama3_configs  # dataclasses only, no torch
+    from models.registry import flavor_args, n_moe_layers  # dataclasses only, no torch
 
-    if cfg.model.name != "llama3":
-        raise ValueError(f"model.name={cfg.model.name!r}: only 'llama3' is available")
-    if cfg.model.flavor not in llama3_configs:
+    args = flavor_args(cfg.model.name, cfg.model.flavor)
+    if cfg.training.debug_moe_force_load_balance and not n_moe_layers(args):
         raise ValueError(
-            f"model.flavor={cfg.model.flavor!r}: expected one of {list(llama3_configs)}"
-            f"{did_you_mean(cfg.model.flavor, llama3_configs)}"
+            f"training.debug_moe_force_load_balance=true: the {cfg.model.name} {cfg.model.flavor} flavor has no MoE "
+            f"layers; set it to false"
         )
     if cfg.optimizer.name != "AdamW":
         raise ValueError(f"optimizer.name={cfg.optimizer.name!r}: only 'AdamW' is available")
@@ -403,16 +403,15 @@ def _check_data(cfg: JobConfig, *, local_files: bool = True) -> None:
 
 
 def _check_tp_divides_model(cfg: JobConfig) -> None:
-    from models.llama3.args import llama3_configs  # dataclasses only, no torch
+    from models.registry import flavor_args, tensor_parallel_dims  # dataclasses only, no torch
 
     tp = cfg.parallelism.tensor_parallel_degree
-    args = llama3_configs[cfg.model.flavor]
-    kv = args.n_heads if args.n_kv_heads is None else args.n_kv_heads
-    for what, n in (("n_heads", args.n_heads), ("n_kv_heads", kv)):
+    args = flavor_args(cfg.model.name, cfg.model.flavor)
+    for what, (n, why) in tensor_parallel_dims(args).items():
         if n % tp:
             raise ValueError(
                 f"parallelism.tensor_parallel_degree({tp}) must divide the {cfg.model.flavor} flavor's {what}({n}): "
-                f"each TP rank holds whole heads; pick a divisor of {n}"
+                f"{why}; pick a divisor of {n}"
             )
     _check_sequence_split("training.seq_len", cfg.training.seq_len, cfg)
 

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -29,13 +29,14 @@ from torch.optim.lr_scheduler import LambdaLR
 from checkpoint.manager import CheckpointManager
 from checkpoint.stateful import ModelState, OptimizerState, RngState, Stateful
 from models.hf_adapters import hf_adapter
-from models.llama3 import TransformerModelArgs
+from models.registry import flops_per_token
 
 from .build import build_model_and_optimizer
 from .checkpointing import TRAINER_ROLES
 from .config import Comm, JobConfig, load_config, save_config, to_toml
 from .data import TokenBatches, build_data_loader
-from .metrics import MetricsLogger, flops_per_token
+from .metrics import MetricsLogger
+from .moe_balance import ExpertBalancer, register_expert_balancing
 from .pipeline_training import (
     PipelineParts,
     pipeline_token_loss,
@@ -142,6 +143,7 @@ class Components:
     checkpointer: CheckpointManager | None
     validator: Validator | None  # None: validation off
     profiler: Profiler  # entered around the loop; a no-op when profiling is off
+    balancer: ExpertBalancer  # the MoE layers' load balancing; empty for a dense model
 
     def close(self) -> None:
         try:
@@ -165,11 +167,9 @@ def build_components(cfg: JobConfig, runtime: Runtime) -> Components:
         dp_rank=runtime.dp_rank, dp_size=runtime.dp_size, seed=training.seed,
         global_batch_size=training.global_batch_size if training.global_batch_size > 0 else None,
     )  # fmt: skip
-    args = cast(TransformerModelArgs, model.model_args)
-    counted = model.whole if isinstance(model, PipelineParts) else model  # the whole model's FLOPs under PP too
-    fpt = flops_per_token(
-        counted, n_layers=args.n_layers, n_heads=args.n_heads, head_dim=args.head_dim, seq_len=training.seq_len
-    )
+    dp_cp = runtime.dp_cp_mesh
+    balancer = register_expert_balancing(model, optimizer, dp_cp.get_group() if dp_cp is not None else None)
+    fpt = flops_per_token(cfg.model.name, model.model_args, training.seq_len)  # the whole model's, under PP too
     tb_folder = tensorboard_folder(cfg, dist.get_rank())
     metrics = MetricsLogger(
         flops_per_token=fpt, device=runtime.device, total_steps=training.steps, tb_folder=tb_folder,
@@ -180,7 +180,9 @@ def build_components(cfg: JobConfig, runtime: Runtime) -> Components:
     validator = build_validator(cfg, runtime, tokenizer, writer=metrics.writer, model=model)
     profiler = Profiler(cfg.profiling, dump_folder=Path(cfg.job.dump_folder), rank=dist.get_rank(),
                         device=runtime.device, global_step=train_state.step)  # fmt: skip
-    return Components(model, optimizer, scheduler, loader, train_state, metrics, checkpointer, validator, profiler)
+    return Components(
+        model, optimizer, scheduler, loader, train_state, metrics, checkpointer, validator, profiler, balancer
+    )
 
 
 def tensorboard_folder(cfg: JobConfig, rank: int) -> Path | None:
@@ -231,8 +233,7 @@ def build_checkpointer(
         "optimizer": OptimizerState(model, optimizer), "lr_scheduler": scheduler,
         "dataloader": loader, "train_state": train_state, "rng": RngState(),
     }  # fmt: skip
-    model_args = cast(TransformerModelArgs, model.model_args)
-    metadata = {"job_config": cfg.to_dict(), "model_args": dataclasses.asdict(model_args)}
+    metadata = {"job_config": cfg.to_dict(), "model_args": dataclasses.asdict(cast(Any, model.model_args))}
     # the trainer's conventions (trainer/checkpointing.py): the weights under "model", a resume point holds
     # "train_state", and weights of a Llama with other architecture args are refused
     folder = Path(cfg.job.dump_folder) / cfg.checkpoint.folder
@@ -283,6 +284,8 @@ def train_loop(cfg: JobConfig, runtime: Runtime, c: Components) -> list[float]:
                 nonfinite.check()  # the host waits here anyway
                 loss = reduce_loss(result.loss, runtime.dp_cp_mesh)
                 c.metrics.log_interval(step, loss=loss, grad_norm=float(result.grad_norm), lr=lr)
+                if c.balancer.last is not None:
+                    c.metrics.log_expert_load(step, c.balancer.last)
             end_of_step(c, step, last=step == training.steps, preemption=preemption)
             if step == first_step:  # it may have compiled or loaded: init_timeout_seconds covered it
                 set_collective_timeout(runtime, cfg.comm.train_timeout_seconds)

@@ -1,26 +1,22 @@
-"""How a Llama 3 model is parallelized: the TP/SP plan, context parallelism, activation checkpointing,
-torch.compile, FSDP or DDP.
-
-Order (docs/architecture.md §4, torchtitan's): tensor/sequence parallel plan -> context parallel attention ->
-activation checkpointing ->
-per-block torch.compile -> fully_shard per block, then the embeddings, then the final norm and output,
-then the root; or, for pure data parallelism, `replicate` (DDP) of the whole model.
-"""
+"""Llama 3's tensor-parallel plan; everything else about parallelizing it is any decoder's
+(models/decoder_parallelize.py), whose names this module re-exports for the code that imports them from here."""
 
 from __future__ import annotations
 
 from functools import partial
-from typing import cast
 
-import torch
 from torch import nn
 
-from parallelisms.activation_checkpoint import ACMode, apply_ac
-from parallelisms.context_parallel import RingAttention, RotateMethod, SequenceSharding
-from parallelisms.data_parallel import replicate
+from models.decoder_parallelize import (
+    apply_compile,
+    apply_cp,
+    apply_fsdp,
+    compile_supported,
+    data_parallel_mesh,
+    parallelize_decoder,
+)
+from models.decoder_parallelize import apply_tp as apply_decoder_tp
 from parallelisms.dtensor import DeviceMesh, Replicate, Shard
-from parallelisms.fsdp import MixedPrecisionPolicy, fully_shard
-from parallelisms.parallel_dims import ParallelDims
 from parallelisms.tensor_parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -29,159 +25,47 @@ from parallelisms.tensor_parallel import (
     parallelize_module,
 )
 
-
-def parallelize_llama(
-    model: nn.Module,
-    parallel_dims: ParallelDims,
-    world_mesh: DeviceMesh,
-    *,
-    loss_parallel: bool,
-    ac_mode: ACMode = "none",
-    ac_selective_option: str = "op",
-    ac_early_stop: bool = True,
-    mp_policy: MixedPrecisionPolicy | None = None,
-    reshard_after_forward: bool = True,
-    compile_backend: str | None = None,
-    cp_rotate_method: RotateMethod = "allgather",
-) -> nn.Module:
-    """Apply TP -> AC -> compile -> FSDP to `model` in place, as `parallel_dims` asks; returns `model`.
-    `compile_backend` (e.g. "inductor") compiles each block; None leaves the model eager, and so does
-    TP and CP (`compile_supported`). `ac_selective_option` / `ac_early_stop`: see `apply_ac`.
-    `cp_rotate_method`: how ring attention moves K/V under context parallelism ("allgather" | "alltoall")."""
-    if parallel_dims.tp_enabled:
-        apply_tp(model, world_mesh["tp"], loss_parallel=loss_parallel)
-    if parallel_dims.cp_enabled:
-        apply_cp(model, world_mesh["cp"], rotate_method=cp_rotate_method)
-    apply_ac(model, ac_mode, selective_option=ac_selective_option, early_stop=ac_early_stop)
-    if compile_backend is not None and compile_supported(parallel_dims):
-        apply_compile(model, compile_backend)
-    dp_mesh = data_parallel_mesh(parallel_dims, world_mesh)
-    if dp_mesh is not None:
-        apply_fsdp(model, dp_mesh, mp_policy or MixedPrecisionPolicy(), reshard_after_forward)
-    elif parallel_dims.dp_replicate_enabled:  # pure data parallelism is DDP: whole replicas, bucketed all-reduces
-        replicate(model, world_mesh["dp_replicate"])
-    return model
+__all__ = [
+    "apply_compile",
+    "apply_cp",
+    "apply_fsdp",
+    "apply_tp",
+    "block_tp_plan",
+    "compile_supported",
+    "data_parallel_mesh",
+    "parallelize_llama",
+]
 
 
-def data_parallel_mesh(parallel_dims: ParallelDims, world_mesh: DeviceMesh) -> DeviceMesh | None:
-    """The mesh fully_shard gets: (dp_replicate, dp_shard_cp) for HSDP, dp_shard_cp for FSDP; None
-    without sharded data parallelism (pure data parallelism replicates: DDP). TP parameters are then
-    sharded again over it (FSDP x TP)."""
-    if parallel_dims.fsdp_enabled and parallel_dims.dp_replicate_enabled:
-        return world_mesh["dp_replicate", "dp_shard_cp"]  # fully_shard reads a 2-D mesh by position
-    if parallel_dims.fsdp_enabled:
-        return world_mesh["dp_shard_cp"]
-    return None
-
-
-def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, rotate_method: RotateMethod) -> None:
-    """Context parallelism (Liu et al. 2023; torchtitan's): each rank holds SequenceSharding's share of
-    every sequence (the trainer shards the batch), so attention becomes ring attention over the cp ranks
-    and RoPE takes the rows of this rank's global positions. Everything else is per token and unchanged."""
-    sharding = SequenceSharding.of(cp_mesh)
-    ring = RingAttention(cp_mesh, causal=True, load_balance=sharding.load_balance, rotate_method=rotate_method)
-    positions = partial(sharding.positions, device=torch.device(cp_mesh.device_type))
-    for block in model.layers.values():  # type: ignore[operator]
-        block.attention.positions = positions
-        block.attention.core_attention = ring
-
-
-def compile_supported(parallel_dims: ParallelDims) -> bool:
-    """Whether the blocks can be compiled. Ring attention (CP) issues point-to-point and collective calls
-    from inside an autograd Function, which fullgraph compilation cannot trace. torch.compile cannot trace
-    our DTensor either, and TP makes every block parameter and activation one: with fullgraph=True dynamo
-    stops at the first
-    `DTensor.from_local` (TP's input hook), an autograd.Function whose DTensorSpec argument it cannot
-    proxy ("Missing `as_proxy()`"). FSDP alone is fine: its hooks run outside the compiled forward, which
-    sees only plain unsharded parameters. Under TP or CP the blocks stay eager (the pre-flight warns)."""
-    return not parallel_dims.tp_enabled and not parallel_dims.cp_enabled
-
-
-def apply_compile(model: nn.Module, backend: str) -> None:
-    """torch.compile each block's forward (torchtitan's per-block compile; the blocks are identical,
-    so one graph serves them all), with fullgraph=True so a graph break is an error, not a slow path.
-
-    The instance's `forward` is replaced, not the module wrapped: `__call__` stays eager, so the
-    fully_shard hooks applied after this (all-gather before forward, reshard after) run outside
-    the compiled region, and parameter names do not change. Compiling happens at the first call
-    (after `to_empty` and init), and again only for a new grad mode (validation's no_grad) or shape.
-    """
-    for block in model.layers.values():  # type: ignore[operator]
-        block.forward = torch.compile(block.forward, backend=backend, fullgraph=True)
+def block_tp_plan(block: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """A Llama block under TP/SP: the norms on sequence shards; attention and the MLP all-gather them (S(1) -> R),
+    run column-wise then row-wise linears, and reduce-scatter back to S(1)."""
+    parallelize_module(
+        block,
+        tp_mesh,
+        {
+            "attention_norm": SequenceParallel(),
+            # (x, freqs_cis): freqs_cis is a plain replicated tensor and passes through untouched
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            "feed_forward.w3": ColwiseParallel(),
+        },
+    )
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, enable_async_tp: bool = False) -> None:
-    """Megatron-style tensor parallelism with sequence parallelism (Korthikanti et al. 2022).
-
-    Activations between blocks are sharded on the sequence dim (S(1)); attention and the MLP
-    all-gather them (S(1) -> R), run column-wise then row-wise linears, and reduce-scatter back to S(1).
-    With `loss_parallel` the logits stay sharded on the vocabulary dim for `loss_parallel()`.
-    """
+    """Llama under Megatron-style TP/SP (models/decoder_parallelize.py: apply_tp, with `block_tp_plan`)."""
     if enable_async_tp:
         raise NotImplementedError("async TP (overlapping matmuls with collectives) is not supported; set it False")
-    top_plan = {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm": SequenceParallel(),
-        "output": ColwiseParallel(
-            input_layouts=Shard(1),
-            output_layouts=Shard(-1) if loss_parallel else Replicate(),
-            use_local_output=not loss_parallel,
-        ),
-    }
-    # a pipeline part lacks some of them; between its blocks and stages the hidden states are plain local
-    # (B, T/tp, D) sequence shards either way
-    parallelize_module(model, tp_mesh, {k: v for k, v in top_plan.items() if getattr(model, k) is not None})
-    layer_plan = {
-        "attention_norm": SequenceParallel(),
-        # (x, freqs_cis): freqs_cis is a plain replicated tensor and passes through untouched
-        "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-        "ffn_norm": SequenceParallel(),
-        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-        "feed_forward.w3": ColwiseParallel(),
-    }
-    for block in model.layers.values():  # type: ignore[operator]
-        parallelize_module(block, tp_mesh, layer_plan)
-    if model.model_args.tie_word_embeddings:  # type: ignore[union-attr]
-        _retie(model)
+    apply_decoder_tp(model, tp_mesh, block_tp_plan, loss_parallel=loss_parallel)
 
 
-def _retie(model: nn.Module) -> None:
-    """The plan distributed the shared weight twice (once per module); both copies are (vocab, dim)
-    split on vocab, S(0), so one of them serves both modules again."""
-    embedding, output = model.get_submodule("tok_embeddings").weight, model.get_submodule("output").weight
-    assert embedding.placements == output.placements, (embedding.placements, output.placements)  # type: ignore[union-attr]
-    model.tie_weights()  # type: ignore[operator]
-
-
-def apply_fsdp(
-    model: nn.Module,
-    dp_mesh: DeviceMesh,
-    mp_policy: MixedPrecisionPolicy,
-    reshard_after_forward: bool,
-) -> None:
-    """fully_shard each block, the embeddings, [norm, output] as one group, then the root (as
-    torchtitan). Neither [norm, output] nor the last block reshard after forward: backward needs
-    them at once. Tied embeddings put [embeddings, norm, output] in one group: a parameter lives in
-    exactly one group, and this one is used first and last in forward (so it stays unsharded from
-    the embedding lookup to the output's backward, which is when the whole group's grads are in)."""
-    blocks = list(model.layers.values())  # type: ignore[operator]
-    for i, block in enumerate(blocks):
-        last = i == len(blocks) - 1
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward and not last)
-    # a pipeline part may lack the embedding or the head (models/common/pipeline_split.py)
-    embeddings = cast(nn.Module | None, model.tok_embeddings)
-    head = [cast(nn.Module, m) for m in (model.norm, model.output) if m is not None]
-    if model.model_args.tie_word_embeddings and embeddings is not None:  # type: ignore[union-attr]
-        fully_shard([embeddings, *head], mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=False)
-    else:
-        if embeddings is not None:
-            fully_shard(embeddings, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
-        if head:
-            fully_shard(head, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=False)
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy)
+parallelize_llama = partial(parallelize_decoder, block_tp_plan=block_tp_plan)
+"""Apply TP -> CP -> AC -> compile -> FSDP / DDP to a Llama (models/decoder_parallelize.py: parallelize_decoder)."""

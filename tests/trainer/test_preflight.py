@@ -36,8 +36,8 @@ def _run(args: list[str], **env: str) -> tuple[int, str, float]:
         (["--metrics.log_freq", "0"], {}, "metrics.log_freq=0: must be >= 1"),
         (["--optimizer.lr", "-1"], {}, "optimizer.lr=-1.0: must be >= 0"),
         (["--training.stepz", "3"], {}, "did you mean 'steps'"),
-        (["--model.flavor", "debugmodle"], {}, "model.flavor='debugmodle': expected one of ['debugmodel', '1B',"),
-        (["--model.name", "llama4"], {}, "model.name='llama4': only 'llama3' is available"),
+        (["--model.flavor", "debugmodle"], {}, "'debugmodle' is not a llama3 flavor (did you mean 'debugmodel'?)"),
+        (["--model.name", "llama4"], {}, "model.name='llama4' is not a model family here (did you mean 'llama3'?)"),
         (["--optimizer.name", "SGD"], {}, "optimizer.name='SGD': only 'AdamW' is available"),
         (["--parallelism.tensor_parallel_degree", "3"], {}, "world_size(2) is not divisible by tp_degree(3)"),
         (

@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 
 from models.common.stage_split import check_module_fqns, module_fqns_per_stage
-from models.llama3.args import llama3_configs
+from models.registry import FAMILIES, flavor_args
 from parallelisms.pipeline_parallel import ScheduleSpec, StagePlacement, csv_schedule_spec, get_schedule, stage_to_rank
 
 from .sections import JobConfig
@@ -45,7 +45,7 @@ def resolve_pipeline(cfg: JobConfig, *, n_layers: int | None = None) -> Pipeline
     the arithmetic where the stages do not suit the schedule or the split. `n_layers`: the model's blocks, when
     they are not the flavor's (the dry run's sampled traces)."""
     p, training = cfg.parallelism, cfg.training
-    args = llama3_configs[cfg.model.flavor]
+    args = flavor_args(cfg.model.name, cfg.model.flavor)
     spec = schedule_spec(cfg)
     per_rank = stages_per_rank(cfg, spec)
     pp, mb = p.pipeline_parallel_degree, p.pipeline_parallel_microbatch_size
@@ -123,7 +123,8 @@ def _configured_stages(cfg: JobConfig) -> tuple[int, str] | None:
         return n, f"parallelism.module_fqns_per_model_part's {n} parts"
     if not p.pipeline_parallel_layers_per_stage:
         return None
-    n_layers = llama3_configs[cfg.model.flavor].n_layers if cfg.model.flavor in llama3_configs else 0
+    family = FAMILIES.get(cfg.model.name)
+    n_layers = family.flavors[cfg.model.flavor].n_layers if family and cfg.model.flavor in family.flavors else 0
     first, last, per_layer = (p.pipeline_parallel_first_stage_less_layers, p.pipeline_parallel_last_stage_less_layers,
                               p.pipeline_parallel_layers_per_stage)  # fmt: skip
     stages = math.ceil((n_layers + first + last) / per_layer)

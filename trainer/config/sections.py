@@ -68,9 +68,9 @@ class Metrics:
 @dataclass(kw_only=True)
 class Model:
     name: str = "llama3"
-    """Model family; only "llama3" exists."""
+    """Model family: "llama3", "qwen3" or "deepseek_v3" (models/registry.py)."""
     flavor: str = "debugmodel"
-    """Key into the family's flavors (models.llama3.llama3_configs)."""
+    """Key into the family's flavors (llama3_configs, qwen3_configs, deepseek_v3_configs)."""
     hf_assets_path: str = ""
     """A Hugging Face model folder: its tokenizer.json is the tokenizer (when tokenizer_path is ""), and its
     *.safetensors the weights checkpoint.initial_load_in_hf loads; "" is none."""

@@ -8,7 +8,6 @@ and end killed by the kernel's OOM killer.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from pathlib import Path
 from typing import Protocol
@@ -48,9 +47,9 @@ def state_bytes_lower_bound(cfg: JobConfig, n_params: int, layout: Degrees) -> f
 
 def parameter_count(cfg: JobConfig, vocab_size: int) -> int:
     """The config's model's parameters with a `vocab_size` vocabulary, counted from the flavor's shapes."""
-    from models.llama3.args import llama3_configs  # dataclasses only, no torch
+    from models.registry import job_model_args  # dataclasses only, no torch
 
-    return dataclasses.replace(llama3_configs[cfg.model.flavor], vocab_size=vocab_size).parameter_count
+    return int(job_model_args(cfg.model.name, cfg.model.flavor, vocab_size=vocab_size).parameter_count)
 
 
 def check_host_memory(cfg: JobConfig, layout: Degrees, ranks_here: int, available: int) -> None:

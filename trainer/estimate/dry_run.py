@@ -20,9 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from models.llama3 import llama3_configs
-from models.llama3.args import parameter_shapes
-from models.llama3.parallelize import compile_supported
+from models.decoder_parallelize import compile_supported
+from models.registry import job_model_args, model_family
 from parallelisms.dtensor.cost import CostModel, use_cost_model
 from parallelisms.parallel_dims import ParallelDims
 
@@ -186,7 +185,9 @@ def estimate(
     )  # fmt: skip
 
 
-ROWWISE = ("attention.wo.weight", "feed_forward.w2.weight")  # TP splits their dim 1; the other matrices' dim 0
+# TP splits dim 1 of these, dim 0 of the other matrices; an MoE's experts (E, ...) keep dim 0 whole, its router too
+ROWWISE = ("attention.wo.weight", "feed_forward.w2.weight", "shared_experts.w2.weight")
+_TP_KEEPS_ROWS = (".moe.experts.", ".moe.router.", "norm.weight")
 
 
 def padding_warnings(cfg: JobConfig, dims: ParallelDims) -> tuple[str, ...]:
@@ -195,11 +196,10 @@ def padding_warnings(cfg: JobConfig, dims: ParallelDims) -> tuple[str, ...]:
     fsdp = dims.dp_shard * dims.cp
     if fsdp == 1:
         return ()
-    shapes = parameter_shapes(dataclasses.replace(llama3_configs[cfg.model.flavor], vocab_size=job_vocab_size(cfg)))
-    rows = {
-        fqn: shape[0] // dims.tp if len(shape) > 1 and not fqn.endswith(ROWWISE) else shape[0]
-        for fqn, shape in shapes.items()
-    }
+    args = job_model_args(cfg.model.name, cfg.model.flavor, vocab_size=job_vocab_size(cfg))
+    shapes = model_family(cfg.model.name).parameter_shapes(args)
+    split = (fqn for fqn in shapes if not fqn.endswith(ROWWISE) and not any(k in fqn for k in _TP_KEEPS_ROWS))
+    rows = {fqn: shape[0] for fqn, shape in shapes.items()} | {fqn: shapes[fqn][0] // dims.tp for fqn in split}
     short = {fqn: n for fqn, n in rows.items() if n < fsdp}
     if not short:
         return ()

@@ -13,7 +13,7 @@ import dataclasses
 import re
 from collections.abc import Callable
 
-from models.llama3 import llama3_configs
+from models.registry import flavor_args
 
 from ..config.pipeline_setup import PipelineSetup, resolve_pipeline
 from ..config.sections import JobConfig
@@ -190,7 +190,7 @@ def _traced_from_samples(cfg: JobConfig, runtime: Runtime, *, fake: bool, every_
         if every_block or blocks <= 2 * len(mine):
             return _sampled_microbatches(cfg, runtime, lambda c, r: trace_pipeline_step(c, r, fake=fake))
         return _sampled_microbatches(cfg, runtime, lambda c, r: _sampled_blocks(c, r, fake, blocks))
-    n_layers = llama3_configs[cfg.model.flavor].n_layers
+    n_layers = flavor_args(cfg.model.name, cfg.model.flavor).n_layers
     k1, k2 = SAMPLED_LAYERS
     if every_block or n_layers <= k2:
         return trace_step(cfg, runtime, fake=fake)

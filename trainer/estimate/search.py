@@ -24,7 +24,7 @@ import os
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
-from models.llama3 import llama3_configs
+from models.registry import flavor_args
 
 from ..config import load_config, state_floor
 from ..config.sections import JobConfig
@@ -72,8 +72,8 @@ def _powers_of_two(n: int) -> list[int]:
 
 def layouts(cfg: JobConfig, world_size: int, per_node: int) -> list[Layout]:
     """Every (dp_replicate, dp_shard, cp, tp, pp) for the model on `world_size` ranks (see the module doc)."""
-    args = llama3_configs[cfg.model.flavor]
-    kv_heads = args.n_kv_heads or args.n_heads
+    args = flavor_args(cfg.model.name, cfg.model.flavor)
+    kv_heads = getattr(args, "n_kv_heads", None) or args.n_heads
     seq = cfg.training.seq_len
     found = []
     for pp in (p for p in _powers_of_two(world_size) if p == 1 or args.n_layers >= 2 * p):

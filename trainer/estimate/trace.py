@@ -11,7 +11,6 @@ run it on gloo worlds and compare the two).
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,8 +23,8 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves
 
-from models.llama3 import Transformer, TransformerModelArgs
-from models.llama3.parallelize import parallelize_llama
+from models.common.decoder import Decoder
+from models.registry import flops_per_token, job_model_args, model_family
 from parallelisms.activation_checkpoint import ACMode
 from parallelisms.dtensor import DeviceMesh, DTensor
 from parallelisms.dtensor.debug import CommDebugMode, _defers_to_subclass, counted_collective
@@ -33,10 +32,8 @@ from parallelisms.fsdp import MixedPrecisionPolicy
 from parallelisms.parallel_dims import FLATTENED
 
 from ..build import assemble_pipeline, build_job_optimizer, build_model, init_model, to_training_dtype
-from ..config import load_config
 from ..config.data_files import accumulation_steps
 from ..config.sections import JobConfig
-from ..metrics import flops_per_token
 from ..pipeline_training import pipeline_train_step, split_for_rank
 from ..runtime import Runtime
 from ..step import MicroBatches, global_target_count, train_step
@@ -158,7 +155,7 @@ def _parallelize(cfg: JobConfig, runtime: Runtime, model: torch.nn.Module) -> No
     """Parallelize the model on meta as trainer.train.build_model_and_optimizer does."""
     mp_policy = MixedPrecisionPolicy(param_dtype=runtime.precision.param, reduce_dtype=runtime.precision.reduce)
     ac, p = cfg.activation_checkpoint, cfg.parallelism
-    parallelize_llama(
+    model_family(cfg.model.name).parts.parallelize(
         model, runtime.parallel_dims, runtime.world_mesh, loss_parallel=runtime.loss_parallel,
         ac_mode=cast(ACMode, ac.mode), ac_selective_option=ac.selective_ac_option, ac_early_stop=ac.early_stop,
         mp_policy=mp_policy, reshard_after_forward=p.fsdp_reshard_after_forward == "always"
@@ -187,7 +184,7 @@ def _allocate(cfg: JobConfig, model: torch.nn.Module, device: torch.device, *, f
     """Allocate the parallelized model's (or pipeline part's) shards on `device` as trainer.train does."""
     if fake:  # the same storages; the random fills draw seeds with .item(), which fake tensors lack
         model.to_empty(device=device)
-        if cast(TransformerModelArgs, model.model_args).tie_word_embeddings:
+        if cast(Any, model.model_args).tie_word_embeddings:
             model.tie_weights()  # type: ignore[operator]
         with torch.device(device):
             model.freqs_cis = model.rotary_table()  # type: ignore[operator]
@@ -198,7 +195,7 @@ def _allocate(cfg: JobConfig, model: torch.nn.Module, device: torch.device, *, f
 
 def _step_setup(
     cfg: JobConfig, runtime: Runtime, vocab_size: int | None, n_layers: int | None = None
-) -> tuple[int, int, Transformer, float]:
+) -> tuple[int, int, Decoder, float]:
     """(vocab size, micro-batches per step, the model on meta (its first `n_layers` blocks only, when given),
     the whole model's FLOPs per token), as the trainer has them."""
     vocab = vocab_size or job_vocab_size(cfg)
@@ -210,15 +207,9 @@ def _step_setup(
     return vocab, n_micro, build_model(cfg, vocab, n_layers=n_layers), fpt
 
 
-@functools.lru_cache(maxsize=8)
 def _whole_model_flops_per_token(name: str, flavor: str, vocab: int, seq_len: int) -> float:
-    """trainer.metrics' FLOPs per token of the whole model, built once per process on meta (a 405B build takes
-    half a second; a search traces hundreds of models of a few blocks each)."""
-    cfg = load_config(["--model.name", name, "--model.flavor", flavor, "--training.seq_len", str(seq_len)])
-    model = build_model(cfg, vocab)
-    args = model.model_args
-    return flops_per_token(model, n_layers=args.n_layers, n_heads=args.n_heads, head_dim=args.head_dim,
-                           seq_len=seq_len)  # fmt: skip
+    """The trainer's FLOPs per token of the whole model (models/registry.py: flops_per_token), from its shapes."""
+    return flops_per_token(name, job_model_args(name, flavor, vocab_size=vocab, max_seq_len=seq_len), seq_len)
 
 
 def _fake_tensors(fake: bool) -> contextlib.ExitStack:

@@ -1,0 +1,203 @@
+"""How a decoder of any family (models/common/decoder.py) is parallelized: the order of the parallelisms and
+everything in them that does not depend on the family. A family's parallelize.py supplies its tensor-parallel
+plan (`TPPlan`) and calls `parallelize_decoder`.
+
+Order (docs/architecture.md §4, torchtitan's): tensor/sequence parallel plan -> context parallel attention ->
+activation checkpointing -> per-block torch.compile -> fully_shard per block, then the embeddings, then the final
+norm and output, then the root; or, for pure data parallelism, `replicate` (DDP) of the whole model.
+
+MoE blocks (a `moe` submodule: models/common/moe.py) get `apply_moe_tp` under TP: the router replicated, the
+experts sharded on their hidden dim (parallelisms/tensor_parallel/moe_styles.py), as torchtitan does while expert
+parallelism is off.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import cast
+
+import torch
+from torch import nn
+
+from parallelisms.activation_checkpoint import ACMode, apply_ac
+from parallelisms.context_parallel import RingAttention, RotateMethod, SequenceSharding
+from parallelisms.data_parallel import replicate
+from parallelisms.dtensor import DeviceMesh, Partial, Replicate, Shard
+from parallelisms.fsdp import MixedPrecisionPolicy, fully_shard
+from parallelisms.parallel_dims import ParallelDims
+from parallelisms.tensor_parallel import (
+    ColwiseParallel,
+    PrepareModuleInputOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+from parallelisms.tensor_parallel.moe_styles import GroupedExpertsParallel, NoParallel
+
+TPPlan = Callable[[nn.Module, DeviceMesh], None]
+"""A family's tensor-parallel plan for its blocks: `plan(block, tp_mesh)` (the top of the model is common)."""
+
+
+def parallelize_decoder(
+    model: nn.Module,
+    parallel_dims: ParallelDims,
+    world_mesh: DeviceMesh,
+    *,
+    block_tp_plan: TPPlan,
+    loss_parallel: bool,
+    ac_mode: ACMode = "none",
+    ac_selective_option: str = "op",
+    ac_early_stop: bool = True,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    reshard_after_forward: bool = True,
+    compile_backend: str | None = None,
+    cp_rotate_method: RotateMethod = "allgather",
+) -> nn.Module:
+    """Apply TP -> CP -> AC -> compile -> FSDP / DDP to `model` in place, as `parallel_dims` asks; returns `model`.
+    `block_tp_plan` shards one block under TP. `compile_backend` (e.g. "inductor") compiles each block; None leaves
+    the model eager, and so does TP and CP (`compile_supported`). `ac_selective_option` / `ac_early_stop`: see
+    `apply_ac`. `cp_rotate_method`: how ring attention moves K/V under context parallelism."""
+    if parallel_dims.tp_enabled:
+        apply_tp(model, world_mesh["tp"], block_tp_plan, loss_parallel=loss_parallel)
+    if parallel_dims.cp_enabled:
+        apply_cp(model, world_mesh["cp"], rotate_method=cp_rotate_method)
+    apply_ac(model, ac_mode, selective_option=ac_selective_option, early_stop=ac_early_stop)
+    if compile_backend is not None and compile_supported(parallel_dims):
+        apply_compile(model, compile_backend)
+    dp_mesh = data_parallel_mesh(parallel_dims, world_mesh)
+    if dp_mesh is not None:
+        apply_fsdp(model, dp_mesh, mp_policy or MixedPrecisionPolicy(), reshard_after_forward)
+    elif parallel_dims.dp_replicate_enabled:  # pure data parallelism is DDP: whole replicas, bucketed all-reduces
+        replicate(model, world_mesh["dp_replicate"])
+    return model
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, block_tp_plan: TPPlan, *, loss_parallel: bool) -> None:
+    """Megatron-style tensor parallelism with sequence parallelism (Korthikanti et al. 2022): the embedding, the
+    final norm and the output here; each block by `block_tp_plan`. Activations between blocks are sharded on the
+    sequence dim (S(1)); with `loss_parallel` the logits stay sharded on the vocabulary dim for `loss_parallel()`."""
+    top_plan = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(
+            input_layouts=Shard(1),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        ),
+    }
+    # a pipeline part lacks some of them; between its blocks and stages the hidden states are plain local
+    # (B, T/tp, D) sequence shards either way
+    parallelize_module(model, tp_mesh, {k: v for k, v in top_plan.items() if getattr(model, k) is not None})
+    for block in model.layers.values():  # type: ignore[operator]
+        block_tp_plan(block, tp_mesh)
+    if model.model_args.tie_word_embeddings:  # type: ignore[union-attr]
+        _retie(model)
+
+
+def apply_moe_tp(block: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Tensor parallelism of a block's `moe` (expert parallelism off; torchtitan's plan): the layer all-gathers
+    the sequence and reduce-scatters its partial-sum output; the router is replicated, its gradient completed
+    (`NoParallel` with a partial output gradient); every expert and the shared experts are sharded on their hidden
+    dim, column-wise then row-wise, as a dense SwiGLU."""
+    plan = {
+        "moe": PrepareModuleInputOutput(
+            input_layouts=(Shard(1),),
+            desired_input_layouts=(Replicate(),),
+            use_local_input=True,
+            output_layouts=(Partial(),),
+            desired_output_layouts=(Shard(1),),
+        ),
+        "moe.router.gate": NoParallel(local_output_grad_placements=(Partial(),)),
+        "moe.experts": GroupedExpertsParallel(),
+    }
+    if block.get_submodule("moe").shared_experts is not None:
+        plan |= {
+            "moe.shared_experts.w1": ColwiseParallel(),
+            "moe.shared_experts.w2": RowwiseParallel(output_layouts=Partial()),
+            "moe.shared_experts.w3": ColwiseParallel(),
+        }
+    parallelize_module(block, tp_mesh, plan)
+
+
+def data_parallel_mesh(parallel_dims: ParallelDims, world_mesh: DeviceMesh) -> DeviceMesh | None:
+    """The mesh fully_shard gets: (dp_replicate, dp_shard_cp) for HSDP, dp_shard_cp for FSDP; None
+    without sharded data parallelism (pure data parallelism replicates: DDP). TP parameters are then
+    sharded again over it (FSDP x TP)."""
+    if parallel_dims.fsdp_enabled and parallel_dims.dp_replicate_enabled:
+        return world_mesh["dp_replicate", "dp_shard_cp"]  # fully_shard reads a 2-D mesh by position
+    if parallel_dims.fsdp_enabled:
+        return world_mesh["dp_shard_cp"]
+    return None
+
+
+def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, rotate_method: RotateMethod) -> None:
+    """Context parallelism (Liu et al. 2023; torchtitan's): each rank holds SequenceSharding's share of
+    every sequence (the trainer shards the batch), so attention becomes ring attention over the cp ranks
+    and RoPE takes the rows of this rank's global positions. Everything else is per token and unchanged."""
+    sharding = SequenceSharding.of(cp_mesh)
+    ring = RingAttention(cp_mesh, causal=True, load_balance=sharding.load_balance, rotate_method=rotate_method)
+    positions = partial(sharding.positions, device=torch.device(cp_mesh.device_type))
+    for block in model.layers.values():  # type: ignore[operator]
+        block.attention.positions = positions
+        block.attention.core_attention = ring
+
+
+def compile_supported(parallel_dims: ParallelDims) -> bool:
+    """Whether the blocks can be compiled. Ring attention (CP) issues point-to-point and collective calls
+    from inside an autograd Function, which fullgraph compilation cannot trace. torch.compile cannot trace
+    our DTensor either, and TP makes every block parameter and activation one: with fullgraph=True dynamo
+    stops at the first
+    `DTensor.from_local` (TP's input hook), an autograd.Function whose DTensorSpec argument it cannot
+    proxy ("Missing `as_proxy()`"). FSDP alone is fine: its hooks run outside the compiled forward, which
+    sees only plain unsharded parameters. Under TP or CP the blocks stay eager (the pre-flight warns)."""
+    return not parallel_dims.tp_enabled and not parallel_dims.cp_enabled
+
+
+def apply_compile(model: nn.Module, backend: str) -> None:
+    """torch.compile each block's forward (torchtitan's per-block compile; the blocks are identical,
+    so one graph serves them all), with fullgraph=True so a graph break is an error, not a slow path.
+
+    The instance's `forward` is replaced, not the module wrapped: `__call__` stays eager, so the
+    fully_shard hooks applied after this (all-gather before forward, reshard after) run outside
+    the compiled region, and parameter names do not change. Compiling happens at the first call
+    (after `to_empty` and init), and again only for a new grad mode (validation's no_grad) or shape.
+    """
+    for block in model.layers.values():  # type: ignore[operator]
+        block.forward = torch.compile(block.forward, backend=backend, fullgraph=True)
+
+
+def _retie(model: nn.Module) -> None:
+    """The plan distributed the shared weight twice (once per module); both copies are (vocab, dim)
+    split on vocab, S(0), so one of them serves both modules again."""
+    embedding, output = model.get_submodule("tok_embeddings").weight, model.get_submodule("output").weight
+    assert embedding.placements == output.placements, (embedding.placements, output.placements)  # type: ignore[union-attr]
+    model.tie_weights()  # type: ignore[operator]
+
+
+def apply_fsdp(
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    mp_policy: MixedPrecisionPolicy,
+    reshard_after_forward: bool,
+) -> None:
+    """fully_shard each block, the embeddings, [norm, output] as one group, then the root (as
+    torchtitan). Neither [norm, output] nor the last block reshard after forward: backward needs
+    them at once. Tied embeddings put [embeddings, norm, output] in one group: a parameter lives in
+    exactly one group, and this one is used first and last in forward (so it stays unsharded from
+    the embedding lookup to the output's backward, which is when the whole group's grads are in)."""
+    blocks = list(model.layers.values())  # type: ignore[operator]
+    for i, block in enumerate(blocks):
+        last = i == len(blocks) - 1
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward and not last)
+    # a pipeline part may lack the embedding or the head (models/common/pipeline_split.py)
+    embeddings = cast(nn.Module | None, model.tok_embeddings)
+    head = [cast(nn.Module, m) for m in (model.norm, model.output) if m is not None]
+    if model.model_args.tie_word_embeddings and embeddings is not None:  # type: ignore[union-attr]
+        fully_shard([embeddings, *head], mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=False)
+    else:
+        if embeddings is not None:
+            fully_shard(embeddings, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+        if head:
+            fully_shard(head, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=False)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy)
