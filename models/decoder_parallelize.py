@@ -100,6 +100,10 @@ def apply_moe_tp(block: nn.Module, tp_mesh: DeviceMesh) -> None:
     the sequence and reduce-scatters its partial-sum output; the router is replicated, its gradient completed
     (`NoParallel` with a partial output gradient); every expert and the shared experts are sharded on their hidden
     dim, column-wise then row-wise, as a dense SwiGLU."""
+    moe = block.get_submodule("moe")
+    # a score scaling the experts' outputs (partial sums) gets a partial gradient; one scaling their input (which
+    # `GroupedExpertsParallel` completes) gets a whole one
+    score_grad = None if moe.score_before_experts else (Partial(),)
     plan = {
         "moe": PrepareModuleInputOutput(
             input_layouts=(Shard(1),),
@@ -108,10 +112,10 @@ def apply_moe_tp(block: nn.Module, tp_mesh: DeviceMesh) -> None:
             output_layouts=(Partial(),),
             desired_output_layouts=(Shard(1),),
         ),
-        "moe.router.gate": NoParallel(local_output_grad_placements=(Partial(),)),
+        "moe.router.gate": NoParallel(local_output_grad_placements=score_grad),
         "moe.experts": GroupedExpertsParallel(),
     }
-    if block.get_submodule("moe").shared_experts is not None:
+    if moe.shared_experts is not None:
         plan |= {
             "moe.shared_experts.w1": ColwiseParallel(),
             "moe.shared_experts.w2": RowwiseParallel(output_layouts=Partial()),

@@ -278,7 +278,7 @@ class MetricsLogger:
 
     def log_expert_load(self, step: int, load: ExpertLoad) -> None:
         """The MoE layers' routing at `step`: one console line, per-layer scalars in TensorBoard."""
-        logger.info("step %d | %s", step, load.console())
+        logger.info("moe | step %d | %s", step, load.console())
         if self.writer is not None:
             for name, value in load.tensorboard().items():
                 self.writer.add_scalar(name, value, step)

@@ -8,8 +8,9 @@ ranks, reduce-scattered back to sequence shards after the layer. Two gradients t
 be completed before they reach replicated tensors:
 - the routed tokens' gradient (each rank's slice of w1 / w3 sees one part of it): `GroupedExpertsParallel` marks
   the experts' input so;
-- the routing scores' gradient (a score scales an output that is a partial sum): `NoParallel` with
-  `local_output_grad_placements=(Partial(),)` on the router's gate.
+- the routing scores' gradient, where a score scales an expert's output (a partial sum; `score_before_experts`
+  false): `NoParallel` with `local_output_grad_placements=(Partial(),)` on the router's gate. A score that scales
+  the experts' input gets its gradient from the completed one and stays whole.
 Each is one all-reduce in the backward; the forward communicates nothing beyond the layer's all-gather and
 reduce-scatter.
 """
