@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from .deepseek_v3.hf_adapter import DEEPSEEK_V3_HF_ADAPTER
 from .llama3.hf_adapter import LLAMA3_HF_ADAPTER
 
 if TYPE_CHECKING:
@@ -16,6 +17,7 @@ if TYPE_CHECKING:
 _ADAPTERS: dict[str, HFAdapter[Any]] = {
     "llama3": LLAMA3_HF_ADAPTER,
     "llama": LLAMA3_HF_ADAPTER,
+    "deepseek_v3": DEEPSEEK_V3_HF_ADAPTER,  # our model.name and HF's model_type alike
 }
 
 
