@@ -6,9 +6,9 @@ A table is built in three steps, each its own function so a family can swap one:
     scale_rope_freqs(freqs, scaling)       Llama 3.1's long-context rescaling (optional)
     rotary_table(freqs, end)               e^{i m f_j} for positions m < end, complex64
 
-`precompute_freqs_cis` chains them as Llama 3 does. YaRN (Peng et al. 2023; DeepSeek-V3) is a second rescaling
-function beside `scale_rope_freqs`, `yarn_scale_freqs`, plus a factor on the attention scores, `yarn_mscale`; the
-table and `apply_rotary_emb` stay as they are.
+`precompute_freqs_cis` chains them as Llama 3 does. Another context extension (YaRN for Qwen3 and DeepSeek-V3)
+is a second rescaling function beside `scale_rope_freqs`, plus, where the recipe asks for it, a factor on the
+attention scores; the table and `apply_rotary_emb` stay as they are.
 
 Channels are rotated in consecutive pairs (2j, 2j + 1), Meta's layout. Hugging Face checkpoints rotate channel
 j with j + head_dim / 2; the adapters permute the rows of wq / wk on conversion (models/llama3/hf_adapter.py).
