@@ -91,13 +91,13 @@ def to_hf_name(fqn: str) -> str:
 
 
 def from_hf_name(name: str) -> str:
-    """HF's parameter name -> our FQN; KeyError naming the expected names for anything else, and naming the stacked
-    tensor for one expert's projection (`model.layers.N.mlp.experts.E.gate_proj.weight` is row E of
-    `layers.N.moe.experts.w1`)."""
+    """HF's parameter name -> our FQN; one expert's projection names the stack it is a row of
+    (`model.layers.N.mlp.experts.E.gate_proj.weight` -> `layers.N.moe.experts.w1`); KeyError naming the expected
+    names for anything else."""
     expert = _HF_EXPERT.match(name)
     if expert is not None:
         ours = {proj: fqn for fqn, proj in _STACKED_NAMES.items()}[expert.group(3)]
-        raise KeyError(f"{name!r} is expert {expert.group(2)} of the stacked layers.{expert.group(1)}.{ours}")
+        return f"layers.{expert.group(1)}.{ours}"
     return _mapped(name, _FROM_HF, "Hugging Face")
 
 
@@ -368,6 +368,9 @@ class DeepSeekV3HFAdapter:
 
     def stacked_hf_names(self, fqn: str, args: DeepSeekV3ModelArgs) -> list[str] | None:
         return stacked_hf_names(fqn, args)
+
+    def not_in_hf(self, fqn: str, args: DeepSeekV3ModelArgs) -> bool:
+        return False  # the routing bias is HF's e_score_correction_bias
 
     def layer_of(self, fqn: str) -> int | None:
         return layer_of(fqn)

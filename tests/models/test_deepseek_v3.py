@@ -136,8 +136,9 @@ def test_names_map_both_ways_and_experts_stack() -> None:
     assert stacked["layers.1.moe.experts.w2"] == [f"model.layers.1.mlp.experts.{e}.down_proj.weight" for e in range(8)]
     experts = [f"layers.{n}.moe.experts.w{i}" for n in (1, 2) for i in (1, 2, 3)]
     assert sorted(k for k, names in stacked.items() if names) == experts
-    with pytest.raises(KeyError, match="expert 3 of the stacked layers.1.moe.experts.w1"):
-        hf.from_hf_name("model.layers.1.mlp.experts.3.gate_proj.weight")
+    assert hf.from_hf_name("model.layers.1.mlp.experts.3.gate_proj.weight") == "layers.1.moe.experts.w1"
+    with pytest.raises(KeyError, match="is the stack of one HF tensor per expert"):
+        hf.to_hf_name("layers.1.moe.experts.w1")
     assert hf_adapter("deepseek_v3") is hf.DEEPSEEK_V3_HF_ADAPTER
 
 
