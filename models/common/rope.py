@@ -86,3 +86,43 @@ def apply_rotary_emb(xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor
     xq_out = torch.view_as_real(xq_c * freqs).flatten(3)  # (B, T, H, Dh)
     xk_out = torch.view_as_real(xk_c * freqs).flatten(3)  # (B, T, Hkv, Dh)
     return xq_out.type_as(xq), xk_out.type_as(xk)
+
+
+def yarn_scale_freqs(
+    freqs: torch.Tensor,
+    *,
+    dim: int,
+    theta: float,
+    factor: float,
+    original_seq_len: int,
+    beta_fast: float,
+    beta_slow: float,
+) -> torch.Tensor:
+    """YaRN's frequency interpolation (Peng et al. 2023) as DeepSeek-V3's reference and torchtitan's
+    `precompute_freqs_cis` compute it, for the base frequencies `freqs` = rope_frequencies(dim, theta), (dim/2,), of a
+    `dim`-channel rotary part (the correction range below needs theta itself, not just the frequencies).
+
+    Channel pair j turns original_seq_len * f_j / (2 pi) times over the original context. Pairs that turn more than
+    `beta_fast` times (high frequencies) are kept, pairs that turn fewer than `beta_slow` times are divided by
+    `factor` (interpolated), and in between a linear ramp over j mixes the two. The ramp's ends are the pair indices
+    d(r) = dim * ln(original_seq_len / (2 pi r)) / (2 ln theta) of r = beta_fast, beta_slow turns, rounded outwards.
+    """
+
+    def pair_of(turns: float) -> float:
+        return dim * math.log(original_seq_len / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(pair_of(beta_fast)), 0)
+    high: float = min(math.ceil(pair_of(beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001  # a ramp of zero width (as the reference): a step
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device=freqs.device) - low) / (high - low), 0, 1)
+    smooth = 1 - ramp  # 1: keep the frequency, 0: interpolate it
+    return freqs / factor * (1 - smooth) + freqs * smooth
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature sqrt(1/t) = 0.1 * mscale * ln(factor) + 1 (Peng et al. 2023, eq. 21); 1 when
+    the context is not extended (factor <= 1). DeepSeek-V3 multiplies its softmax scale by its square."""
+    if factor <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(factor) + 1.0
