@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .llama3.hf_adapter import LLAMA3_HF_ADAPTER
+from .qwen3.hf_adapter import QWEN3_HF_ADAPTER
 
 if TYPE_CHECKING:
     from checkpoint.hf_adapter_protocol import HFAdapter
@@ -16,6 +17,8 @@ if TYPE_CHECKING:
 _ADAPTERS: dict[str, HFAdapter[Any]] = {
     "llama3": LLAMA3_HF_ADAPTER,
     "llama": LLAMA3_HF_ADAPTER,
+    "qwen3": QWEN3_HF_ADAPTER,  # our model.name, and HF's model_type of the dense models
+    "qwen3_moe": QWEN3_HF_ADAPTER,  # HF's model_type of the MoE models
 }
 
 
