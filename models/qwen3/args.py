@@ -176,28 +176,24 @@ def _qwen3_moe_args(num_experts: int) -> MoEArgs:
     )
 
 
-_DENSE = {"vocab_size": 151936, "max_seq_len": 4096, "head_dim": 128, "qk_norm": True, "rope_theta": 1000000}
-
 # fmt: off
+# every flavor keeps the defaults head_dim=128, qk_norm=True, norm_eps=1e-6, rope_theta=1e6, max_seq_len=4096 and
+# vocab_size=151936 (torchtitan spells them out) unless it says otherwise
 qwen3_configs: dict[str, Qwen3ModelArgs] = {
-    "debugmodel": Qwen3ModelArgs(**{**_DENSE, "vocab_size": 2048}, dim=256, n_layers=8, n_heads=16, n_kv_heads=8,
-                                 hidden_dim=3072, enable_weight_tying=True),
-    "0.6B": Qwen3ModelArgs(**_DENSE, dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, hidden_dim=3072,
-                           enable_weight_tying=True),
-    "1.7B": Qwen3ModelArgs(**_DENSE, dim=2048, n_layers=28, n_heads=16, n_kv_heads=8, hidden_dim=6144,
-                           enable_weight_tying=True),
-    "4B": Qwen3ModelArgs(**_DENSE, dim=2560, n_layers=36, n_heads=32, n_kv_heads=8, hidden_dim=9728,
-                         enable_weight_tying=True),
-    "8B": Qwen3ModelArgs(**_DENSE, dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, hidden_dim=12288),
-    "14B": Qwen3ModelArgs(**_DENSE, dim=5120, n_layers=40, n_heads=40, n_kv_heads=8, hidden_dim=17408),
-    "32B": Qwen3ModelArgs(**_DENSE, dim=5120, n_layers=64, n_heads=64, n_kv_heads=8, hidden_dim=25600),
+    "debugmodel": Qwen3ModelArgs(vocab_size=2048, dim=256, n_layers=8, n_heads=16, n_kv_heads=8, hidden_dim=3072,
+                                 enable_weight_tying=True),
+    "0.6B": Qwen3ModelArgs(dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, hidden_dim=3072, enable_weight_tying=True),
+    "1.7B": Qwen3ModelArgs(dim=2048, n_layers=28, n_heads=16, n_kv_heads=8, hidden_dim=6144, enable_weight_tying=True),
+    "4B": Qwen3ModelArgs(dim=2560, n_layers=36, n_heads=32, n_kv_heads=8, hidden_dim=9728, enable_weight_tying=True),
+    "8B": Qwen3ModelArgs(dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, hidden_dim=12288),
+    "14B": Qwen3ModelArgs(dim=5120, n_layers=40, n_heads=40, n_kv_heads=8, hidden_dim=17408),
+    "32B": Qwen3ModelArgs(dim=5120, n_layers=64, n_heads=64, n_kv_heads=8, hidden_dim=25600),
     # Qwen3-MoE
-    "debugmodel_moe": Qwen3ModelArgs(**{**_DENSE, "vocab_size": 2048}, dim=256, n_layers=8, n_heads=16, n_kv_heads=8,
-                                     hidden_dim=3072, moe_enabled=True, moe_inter_dim=768,
-                                     moe_args=_qwen3_moe_args(64)),
-    "30B-A3B": Qwen3ModelArgs(**{**_DENSE, "max_seq_len": 262144}, dim=2048, n_layers=48, n_heads=32, n_kv_heads=4,
-                              hidden_dim=6144, moe_enabled=True, moe_inter_dim=768, moe_args=_qwen3_moe_args(128)),
-    "235B-A22B": Qwen3ModelArgs(**{**_DENSE, "rope_theta": 5000000}, dim=4096, n_layers=94, n_heads=64, n_kv_heads=4,
-                                hidden_dim=12288, moe_enabled=True, moe_inter_dim=1536, moe_args=_qwen3_moe_args(128)),
+    "debugmodel_moe": Qwen3ModelArgs(vocab_size=2048, dim=256, n_layers=8, n_heads=16, n_kv_heads=8, hidden_dim=3072,
+                                     moe_enabled=True, moe_inter_dim=768, moe_args=_qwen3_moe_args(64)),
+    "30B-A3B": Qwen3ModelArgs(max_seq_len=262144, dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, hidden_dim=6144,
+                              moe_enabled=True, moe_inter_dim=768, moe_args=_qwen3_moe_args(128)),
+    "235B-A22B": Qwen3ModelArgs(rope_theta=5000000, dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, hidden_dim=12288,
+                                moe_enabled=True, moe_inter_dim=1536, moe_args=_qwen3_moe_args(128)),
 }
 # fmt: on

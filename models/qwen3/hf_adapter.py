@@ -301,9 +301,7 @@ def _check_supported(config: dict[str, Any]) -> None:
     if any(kind != "full_attention" for kind in config.get("layer_types") or []):
         problems.append(f"layer_types={config['layer_types']}: our attention is full causal in every layer")
     if config.get("mlp_only_layers"):
-        problems.append(
-            f"mlp_only_layers={config['mlp_only_layers']}: meshtrain's Qwen3-MoE has an MoE in every layer"
-        )
+        problems.append(f"mlp_only_layers={config['mlp_only_layers']}: meshtrain's Qwen3-MoE has an MoE in every layer")
     if config.get("decoder_sparse_step", 1) != 1:
         problems.append(
             f"decoder_sparse_step={config['decoder_sparse_step']}: meshtrain's Qwen3-MoE has an MoE in every layer "
