@@ -28,7 +28,9 @@ class ModelArgs(Protocol):
     n_layers: int
     vocab_size: int
     max_seq_len: int
-    tie_word_embeddings: bool
+
+    @property
+    def tie_word_embeddings(self) -> bool: ...
 
 
 ArgsT = TypeVar("ArgsT", bound=ModelArgs)
@@ -79,6 +81,16 @@ class HFAdapter(Protocol[ArgsT]):
 
     def from_hf_name(self, name: str) -> str:
         """HF's parameter name -> our FQN; KeyError for a name the family does not have."""
+        ...
+
+    def stacked_hf_names(self, fqn: str, args: ArgsT) -> list[str] | None:
+        """The HF names whose stack along a new dim 0 is our `fqn`, in order (an MoE's experts: we hold one
+        (E, ...) tensor, the hub format one tensor per expert); None where one HF tensor is ours (`to_hf_name`)."""
+        ...
+
+    def not_in_hf(self, fqn: str, args: ArgsT) -> bool:
+        """Whether our state tensor `fqn` has no place in HF's format (Qwen3-MoE's routing bias: HF routes without
+        one). Reading HF leaves it at zero; writing HF refuses a non-zero one, whose effect would be lost."""
         ...
 
     def layer_of(self, fqn: str) -> int | None:

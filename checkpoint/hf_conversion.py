@@ -67,13 +67,19 @@ def to_hf(
             for fqn in shard:
                 # cast first (the saved dtype goes at once), then permute: exact either way
                 w = read_tensor(ckpt, MODEL_PREFIX + fqn, index=index).to(target)
-                tensors.append((adapter.to_hf_name(fqn), adapter.to_hf_tensor(fqn, w, args).contiguous()))
+                if adapter.not_in_hf(fqn, args):
+                    _refuse_lost_state(fqn, w, adapter)
+                    continue
+                for hf_name, expert in hf_parts(adapter, fqn, args):
+                    part = w if expert is None else w[expert]
+                    tensors.append((hf_name, adapter.to_hf_tensor(fqn, part, args).contiguous()))
                 del w  # at most one tensor beyond the shard is alive
             write_safetensors(tmp / name, tensors, {"format": "pt"})
             weight_map.update({hf_name: name for hf_name, _ in tensors})
             logger.info("wrote %s (%d tensors, %.1f MB)", name, len(tensors), sum(sizes[f] for f in shard) / 1e6)
             del tensors
-        hf_index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
+        total = sum(size for fqn, size in sizes.items() if not adapter.not_in_hf(fqn, args))
+        hf_index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         write_durable(tmp / HF_INDEX_FILE, json.dumps(hf_index, indent=2) + "\n")
         config = adapter.hf_config(args, dtype=dtype, tie_word_embeddings=tied)
         write_durable(tmp / HF_CONFIG_FILE, json.dumps(config, indent=2) + "\n")
@@ -82,6 +88,27 @@ def to_hf(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def hf_parts(adapter: HFAdapter[ArgsT], fqn: str, args: ArgsT) -> list[tuple[str, int | None]]:
+    """The HF tensors of our `fqn`: [(name, None)] for one tensor, [(name_e, e), ...] for a stack along dim 0
+    (an MoE's experts), [] for a state tensor HF has no place for."""
+    if adapter.not_in_hf(fqn, args):
+        return []
+    stacked = adapter.stacked_hf_names(fqn, args)
+    if stacked is None:
+        return [(adapter.to_hf_name(fqn), None)]
+    return [(name, e) for e, name in enumerate(stacked)]
+
+
+def _refuse_lost_state(fqn: str, w: torch.Tensor, adapter: HFAdapter[Any]) -> None:
+    """A state tensor HF has no place for may be left out only when it does nothing (all zero)."""
+    if torch.count_nonzero(w):
+        raise ValueError(
+            f"{fqn} is not zero, and {adapter.hf_architecture} has no place for it: the exported model would compute "
+            f"other outputs. Train with the feature it belongs to off (for an MoE routing bias: "
+            f"moe_args.load_balance_coeff = None), or export another format"
+        )
 
 
 def resolve_model_args(index: Index, ckpt: Path, adapter: HFAdapter[ArgsT], flavor: str | None = None) -> ArgsT:
@@ -221,36 +248,54 @@ def _read_hf_tensors(
     dtype: torch.dtype,
     tied: bool,
 ) -> dict[str, torch.Tensor]:
-    model, problems = {}, []
-    by_file: dict[Path, list[str]] = {}
+    """Our model's tensors from the HF folder (experts stacked; state tensors HF lacks at zero), every problem
+    of the folder reported at once."""
+    wanted = {name: (fqn, expert) for fqn in expected for name, expert in hf_parts(adapter, fqn, args)}
     head = adapter.to_hf_name(adapter.output_fqn)
+    parts: dict[str, dict[int | None, torch.Tensor]] = {}
+    problems: list[str] = []
+    by_file: dict[Path, list[str]] = {}
     for name, path in files.items():
-        if not name.endswith(adapter.ignored_hf_suffixes) and not (tied and name == head):
-            by_file.setdefault(path, []).append(name)
+        if name.endswith(adapter.ignored_hf_suffixes) or (tied and name == head):
+            continue
+        if name not in wanted:
+            problems.append(_unwanted(name, args, adapter))
+            continue
+        by_file.setdefault(path, []).append(name)
     for path, names in by_file.items():
         if not path.is_file():
             raise FileNotFoundError(f"{path} (listed in {hf_dir / HF_INDEX_FILE}) is missing")
         with safe_open(path, framework="pt") as f:
             for name in names:
-                try:
-                    fqn = adapter.from_hf_name(name)
-                except KeyError:
-                    problems.append(f"{name}: not a {adapter.hf_architecture} parameter this model has")
+                fqn, expert = wanted[name]
+                w, shape = f.get_tensor(name), expected[fqn] if expert is None else expected[fqn][1:]
+                if tuple(w.shape) != shape:
+                    problems.append(f"{name}: shape {tuple(w.shape)}, config.json gives {shape}")
                     continue
-                if fqn not in expected:
-                    problems.append(f"{name}: beyond num_hidden_layers({args.n_layers}) of config.json")
-                    continue
-                w = f.get_tensor(name)
-                if tuple(w.shape) != expected[fqn]:
-                    problems.append(f"{name}: shape {tuple(w.shape)}, config.json gives {expected[fqn]}")
-                    continue
-                model[fqn] = adapter.from_hf_tensor(fqn, w.to(dtype), args).contiguous()
-    problems += [f"{adapter.to_hf_name(k)}: missing" for k in expected if k not in model]
+                parts.setdefault(fqn, {})[expert] = adapter.from_hf_tensor(fqn, w.to(dtype), args)
+    problems += [f"{name}: missing" for name, (fqn, expert) in wanted.items() if expert not in parts.get(fqn, {})]
     if problems:
         raise ValueError(
             f"{hf_dir} does not fit its config.json ({len(problems)} problems):\n  " + "\n  ".join(problems)
         )
+    model = {}
+    for fqn, shape in expected.items():
+        if fqn not in parts:  # not_in_hf
+            model[fqn] = torch.zeros(shape, dtype=dtype)
+        elif None in parts[fqn]:
+            model[fqn] = parts[fqn][None].contiguous()
+        else:
+            model[fqn] = torch.stack([parts[fqn][e] for e in range(shape[0])])
     return model
+
+
+def _unwanted(name: str, args: ArgsT, adapter: HFAdapter[ArgsT]) -> str:
+    """Why the HF tensor `name` has no place in the model its config.json describes."""
+    try:
+        adapter.from_hf_name(name)
+    except KeyError:
+        return f"{name}: not a {adapter.hf_architecture} parameter this model has"
+    return f"{name}: beyond the model config.json describes (num_hidden_layers({args.n_layers}), the experts)"
 
 
 def _read_json(path: Path, what: str) -> dict[str, Any]:

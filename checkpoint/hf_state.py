@@ -21,7 +21,7 @@ import logging
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -32,7 +32,7 @@ from parallelisms.dtensor import DTensor
 from .distributed import save
 from .format import CheckpointError
 from .hf_adapter_protocol import ArgsT, HFAdapter
-from .hf_conversion import HF_CONFIG_FILE, HF_INDEX_FILE, hf_model_metadata, hf_weight_files, to_hf
+from .hf_conversion import HF_CONFIG_FILE, HF_INDEX_FILE, hf_model_metadata, hf_parts, hf_weight_files, to_hf
 
 logger = logging.getLogger(__name__)
 
@@ -64,9 +64,10 @@ def load_hf_model(
     from the HF safetensors `files` of `hf_dir` (`adapter`'s family, the model `args`); collective when a
     process group is up. Each rank takes the tensors its `model` names: a pipeline stage holds only its own
     FQNs (as `load` of a checkpoint, it leaves the others alone), so a tensor of the folder is extra only
-    when no rank takes it. Every missing, extra or misshapen tensor of any rank is reported at once, on
-    every rank, before anything is read."""
-    wanted = {adapter.to_hf_name(fqn): fqn for fqn in model}
+    when no rank takes it. A tensor we stack from several of HF's (an MoE's experts) reads only the experts
+    its shard holds; one HF has no place for (`not_in_hf`) is zeroed. Every missing, extra or misshapen tensor
+    of any rank is reported at once, on every rank, before anything is read."""
+    wanted = {name: (fqn, expert) for fqn in model for name, expert in hf_parts(adapter, fqn, args)}
     with contextlib.ExitStack() as stack:
         slices, problems = _open_slices(wanted, model, files, hf_dir, stack)
         taken, problems = _over_ranks(set(wanted), problems)
@@ -80,23 +81,31 @@ def load_hf_model(
             raise CheckpointError(
                 f"{hf_dir} does not fit this job's model ({len(problems)} problems):\n  " + "\n  ".join(problems[:20])
             )
-        for name, saved in slices.items():
-            fqn = wanted[name]
-            local, offset = _shard(model[fqn])
-            if local.numel():
-                local.copy_(_read_box(saved, fqn, offset, tuple(local.shape), args, adapter))
+        for fqn, target in model.items():
+            local, offset = _shard(target)
+            if not local.numel():
+                continue
+            if adapter.not_in_hf(fqn, args):
+                local.zero_()
+            elif adapter.stacked_hf_names(fqn, args) is None:
+                local.copy_(_read_box(slices[adapter.to_hf_name(fqn)], fqn, offset, tuple(local.shape), args, adapter))
+            else:  # the experts [offset[0], offset[0] + local.shape[0]) of this shard, each its own HF tensor
+                names = cast(list[str], adapter.stacked_hf_names(fqn, args))
+                box = tuple(slice(o, o + n) for o, n in zip(offset[1:], local.shape[1:]))
+                for i in range(local.shape[0]):
+                    local[i].copy_(slices[names[offset[0] + i]][box])
 
 
 def _open_slices(
-    wanted: dict[str, str], model: dict[str, torch.Tensor], files: dict[str, Path], hf_dir: Path,
-    stack: contextlib.ExitStack,
+    wanted: dict[str, tuple[str, int | None]], model: dict[str, torch.Tensor], files: dict[str, Path],
+    hf_dir: Path, stack: contextlib.ExitStack,
 ) -> tuple[dict[str, Any], list[str]]:  # fmt: skip
     """(HF name -> its safetensors slice, for every tensor this rank takes that fits; this rank's problems:
     missing tensors, missing or unreadable files, other shapes). Only headers are read."""
     slices: dict[str, Any] = {}
-    problems = [f"{name}: missing (for {fqn})" for name, fqn in wanted.items() if name not in files]
+    problems = [f"{name}: missing (for {fqn})" for name, (fqn, _) in wanted.items() if name not in files]
     opened: dict[Path, Any] = {}
-    for name, fqn in wanted.items():
+    for name, (fqn, expert) in wanted.items():
         path = files.get(name)
         if path is None:
             continue
@@ -106,8 +115,10 @@ def _open_slices(
             problems.append(opened[path])  # said once: the problems are deduplicated below
             continue
         saved = opened[path].get_slice(name)
-        if tuple(saved.get_shape()) != tuple(model[fqn].shape):
-            problems.append(f"{name}: shape {tuple(saved.get_shape())}, this job's {fqn} is {tuple(model[fqn].shape)}")
+        shape = tuple(model[fqn].shape) if expert is None else tuple(model[fqn].shape[1:])
+        if tuple(saved.get_shape()) != shape:
+            what = fqn if expert is None else f"{fqn}[{expert}]"
+            problems.append(f"{name}: shape {tuple(saved.get_shape())}, this job's {what} is {shape}")
             continue
         slices[name] = saved
     return slices, list(dict.fromkeys(problems))

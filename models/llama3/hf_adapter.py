@@ -302,6 +302,12 @@ class Llama3HFAdapter:
     def from_hf_name(self, name: str) -> str:
         return from_hf_name(name)
 
+    def stacked_hf_names(self, fqn: str, args: TransformerModelArgs) -> list[str] | None:
+        return None  # every Llama tensor is one HF tensor
+
+    def not_in_hf(self, fqn: str, args: TransformerModelArgs) -> bool:
+        return False
+
     def layer_of(self, fqn: str) -> int | None:
         return layer_of(fqn)
 
