@@ -102,8 +102,9 @@ class Qwen3ModelArgs:
 
     @property
     def parameter_count(self) -> int:
-        """The model's parameters, counted from its shapes (no torch needed: the pre-flight's memory floor)."""
-        return sum(math.prod(shape) for shape in parameter_shapes(self).values())
+        """The model's parameters, counted from its shapes (no torch needed: the pre-flight's memory floor); the
+        MoE's routing bias is a buffer, not counted."""
+        return sum(math.prod(shape) for fqn, shape in parameter_shapes(self).items() if not is_routing_bias(fqn))
 
     @property
     def active_parameter_count(self) -> int:
@@ -113,6 +114,12 @@ class Qwen3ModelArgs:
             return self.parameter_count
         routed = sum(math.prod(s) for fqn, s in parameter_shapes(self).items() if ".moe.experts." in fqn)
         return self.parameter_count - routed + round(routed * self.moe_args.active_fraction)
+
+
+def is_routing_bias(fqn: str) -> bool:
+    """Whether `fqn` is an MoE's load-balancing routing bias (`layers.N.moe.expert_bias`): saved state of our
+    model, which HF's Qwen3-MoE has no place for."""
+    return fqn.endswith(".moe.expert_bias")
 
 
 def _block_shapes(args: Qwen3ModelArgs) -> dict[str, tuple[int, ...]]:
@@ -130,6 +137,8 @@ def _block_shapes(args: Qwen3ModelArgs) -> dict[str, tuple[int, ...]]:
     if args.moe_enabled:
         e, h = args.moe_args.num_experts, args.moe_inter_dim
         block["moe.router.gate.weight"] = (e, d)
+        if args.moe_args.load_balance_coeff is not None:  # the buffer is saved (persistent) exactly then
+            block["moe.expert_bias"] = (e,)
         block["moe.experts.w1"] = (e, h, d)
         block["moe.experts.w3"] = (e, h, d)
         block["moe.experts.w2"] = (e, d, h)
@@ -148,9 +157,11 @@ def _block_shapes(args: Qwen3ModelArgs) -> dict[str, tuple[int, ...]]:
 
 
 def parameter_shapes(args: Qwen3ModelArgs, *, output: bool | None = None) -> dict[str, tuple[int, ...]]:
-    """Our FQN -> shape of every parameter of `Qwen3Model(args)`, in Hugging Face's file order (blocks in number
+    """Our FQN -> shape of every saved tensor of `Qwen3Model(args)`, in Hugging Face's file order (blocks in number
     order); without `output` when the output projection is tied to the embedding (by default when
-    `args.enable_weight_tying`). Buffers (the MoE's `expert_bias`, the rotary table) are not parameters."""
+    `args.enable_weight_tying`). Besides the parameters, that is the MoE's routing bias `moe.expert_bias` (E,) when
+    load balancing is on (`moe_args.load_balance_coeff`): a persistent buffer, which a checkpoint holds and HF's
+    format has no place for (the adapter's `not_in_hf`); the rotary table is derived, never saved."""
     output = not args.tie_word_embeddings if output is None else output
     block = _block_shapes(args)
     shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (args.vocab_size, args.dim)}

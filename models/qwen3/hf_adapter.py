@@ -20,7 +20,6 @@ Two layouts differ from the hub's:
 from __future__ import annotations
 
 import dataclasses
-import logging
 import re
 from typing import Any
 
@@ -28,9 +27,7 @@ import torch
 
 from models.common.moe_args import MoEArgs
 
-from .args import Qwen3ModelArgs, parameter_shapes, qwen3_configs
-
-logger = logging.getLogger(__name__)
+from .args import Qwen3ModelArgs, is_routing_bias, parameter_shapes, qwen3_configs
 
 # our FQN (below "model.") <-> HF name; {} is the layer number
 _LAYER_NAMES = {
@@ -107,6 +104,13 @@ def stacked_hf_names(fqn: str, args: Qwen3ModelArgs) -> list[str] | None:
     return [f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight" for e in range(args.moe_args.num_experts)]
 
 
+def not_in_hf(fqn: str, args: Qwen3ModelArgs) -> bool:
+    """Whether our saved tensor `fqn` has no place in HF's format: the MoE's load-balancing routing bias
+    (`layers.N.moe.expert_bias`), since HF's Qwen3-MoE routes by the scores alone. Reading HF leaves it at zero
+    (the same routing); the conversion refuses to write a non-zero one, whose routing HF could not reproduce."""
+    return is_routing_bias(fqn)
+
+
 def layer_of(fqn: str) -> int | None:
     """The block number of an FQN in either naming, None outside the blocks."""
     return _template(fqn)[1]
@@ -178,8 +182,8 @@ def _export_problems(args: Qwen3ModelArgs) -> list[str]:
 def hf_config(args: Qwen3ModelArgs, *, dtype: str, tie_word_embeddings: bool | None = None) -> dict[str, Any]:
     """The `config.json` of `Qwen3ForCausalLM` (or `Qwen3MoeForCausalLM` when `moe_enabled`) for `Qwen3Model(args)`
     stored in `dtype` (tied as `args` unless `tie_word_embeddings` says otherwise). ValueError naming what HF's
-    Qwen3 cannot express. The routing bias of load balancing (`expert_bias`) is not exported: HF routes by the
-    scores alone."""
+    Qwen3 cannot express. The routing bias of load balancing (`expert_bias`) has no key here: HF routes by the
+    scores alone (`not_in_hf`; the conversion refuses a non-zero bias)."""
     problems = _export_problems(args)
     if problems:
         raise ValueError("cannot write a Hugging Face Qwen3 config: " + "; ".join(problems))
@@ -219,12 +223,6 @@ def hf_config(args: Qwen3ModelArgs, *, dtype: str, tie_word_embeddings: bool | N
             "norm_topk_prob": args.moe_args.route_norm,
             "output_router_logits": False,
         })  # fmt: skip
-        if args.moe_args.load_balance_coeff is not None:
-            logger.warning(
-                "Qwen3-MoE config.json for a model with load balancing (moe_args.load_balance_coeff=%s): HF routes "
-                "without our expert_bias, which is not exported; routing differs where the bias is not zero",
-                args.moe_args.load_balance_coeff,
-            )
     return config
 
 
@@ -372,6 +370,9 @@ class Qwen3HFAdapter:
 
     def stacked_hf_names(self, fqn: str, args: Qwen3ModelArgs) -> list[str] | None:
         return stacked_hf_names(fqn, args)
+
+    def not_in_hf(self, fqn: str, args: Qwen3ModelArgs) -> bool:
+        return not_in_hf(fqn, args)
 
     def layer_of(self, fqn: str) -> int | None:
         return layer_of(fqn)

@@ -76,10 +76,17 @@ def test_parameter_shapes_are_the_models(name: str) -> None:
     args = dataclasses.replace(qwen3_configs[name], n_layers=2, vocab_size=100)
     with torch.device("meta"):
         model = Qwen3Model(args)
-    assert parameter_shapes(args) == {k: tuple(p.shape) for k, p in model.named_parameters()}
+    saved = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if args.tie_word_embeddings:
+        del saved["output.weight"]  # the embedding's, saved once
+    assert parameter_shapes(args) == saved  # with the MoE's routing bias (a buffer) when balancing is on
+    assert ("layers.1.moe.expert_bias" in saved) == args.moe_enabled  # the flavors balance (torchtitan's default)
     assert args.parameter_count == sum(p.numel() for p in model.parameters())
-    buffers = {k for k, _ in model.named_buffers()}
-    assert ("layers.0.moe.expert_bias" in buffers) == args.moe_enabled  # a buffer, not in parameter_shapes
+    unbalanced = dataclasses.replace(args, moe_args=dataclasses.replace(args.moe_args, load_balance_coeff=None))
+    assert not any(hf.not_in_hf(k, args) for k in parameter_shapes(unbalanced))
+    assert [k for k in parameter_shapes(args) if hf.not_in_hf(k, args)] == [
+        f"layers.{i}.moe.expert_bias" for i in range(2) if args.moe_enabled
+    ]
 
 
 @pytest.mark.parametrize(
