@@ -207,7 +207,7 @@ def test_hf_config_refuses_routing_hf_cannot_express() -> None:
 
 
 # ------------------------------------------------------------------------------ against transformers
-def _hf_model(moe: bool, *, tied: bool = False, top_k: int = 2, norm_topk_prob: bool = True) -> torch.nn.Module:
+def build_hf_model(moe: bool, *, tied: bool = False, top_k: int = 2, norm_topk_prob: bool = True) -> torch.nn.Module:
     common = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, max_position_embeddings=64, rms_norm_eps=1e-6,
                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=tied,
@@ -269,7 +269,7 @@ CASES = {
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_logits_and_gradients_are_transformers(case: str) -> None:
-    theirs = _hf_model(**CASES[case])  # type: ignore[arg-type]
+    theirs = build_hf_model(**CASES[case])  # type: ignore[arg-type]
     ours = ours_from_hub(hub_state(theirs), theirs.config.to_dict())
     assert ours.model_args.tie_word_embeddings == CASES[case].get("tied", False)
     tokens = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
