@@ -16,8 +16,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .deepseek_v3.args import deepseek_v3_configs
+from .deepseek_v3.args import parameter_shapes as deepseek_v3_shapes
 from .llama3.args import llama3_configs
 from .llama3.args import parameter_shapes as llama3_shapes
+from .qwen3.args import parameter_shapes as qwen3_shapes
+from .qwen3.args import qwen3_configs
 
 if TYPE_CHECKING:
     from checkpoint.hf_adapter_protocol import HFAdapter
@@ -70,8 +74,26 @@ def _llama3() -> FamilyParts:
     return FamilyParts(Transformer, parallelize_llama, LLAMA3_HF_ADAPTER)
 
 
+def _qwen3() -> FamilyParts:
+    from .qwen3.hf_adapter import QWEN3_HF_ADAPTER
+    from .qwen3.model import Qwen3Model
+    from .qwen3.parallelize import parallelize_qwen3
+
+    return FamilyParts(Qwen3Model, parallelize_qwen3, QWEN3_HF_ADAPTER)
+
+
+def _deepseek_v3() -> FamilyParts:
+    from .deepseek_v3.hf_adapter import DEEPSEEK_V3_HF_ADAPTER
+    from .deepseek_v3.model import DeepSeekV3Model
+    from .deepseek_v3.parallelize import parallelize_deepseek_v3
+
+    return FamilyParts(DeepSeekV3Model, parallelize_deepseek_v3, DEEPSEEK_V3_HF_ADAPTER)
+
+
 FAMILIES: dict[str, ModelFamily] = {
     "llama3": ModelFamily("llama3", llama3_configs, ("llama",), llama3_shapes, _llama3),
+    "qwen3": ModelFamily("qwen3", qwen3_configs, ("qwen3", "qwen3_moe"), qwen3_shapes, _qwen3),
+    "deepseek_v3": ModelFamily("deepseek_v3", deepseek_v3_configs, ("deepseek_v3",), deepseek_v3_shapes, _deepseek_v3),
 }
 
 

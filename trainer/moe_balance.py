@@ -40,7 +40,7 @@ class ExpertLoad:
         bias = max(self.max_abs_bias.values(), default=0.0)
         mean = sum(imbalance.values()) / len(imbalance)
         return (
-            f"moe load max/mean: mean over {len(imbalance)} layers {mean:.2f}, worst {imbalance[worst]:.2f} "
+            f"load max/mean: mean over {len(imbalance)} layers {mean:.2f}, worst {imbalance[worst]:.2f} "
             f"({worst}) | routing bias max |b| {bias:.2e}"
         )
 

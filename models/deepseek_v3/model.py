@@ -32,6 +32,10 @@ def latent_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -
     return causal_attention(q, k, v)
 
 
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 class Attention(nn.Module):
     """Multi-head latent attention (DeepSeek-V2, arXiv:2405.04434 §2.1).
 
@@ -73,6 +77,10 @@ class Attention(nn.Module):
         self.core_attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = (
             latent_causal_attention
         )
+        # `k_pe` is one rotary key head shared by every query head. Under tensor parallelism a rank holds some of
+        # the heads, so the gradient reaching `k_pe` is a partial sum over the ranks: the TP plan sets this hook to
+        # complete it (models/deepseek_v3/parallelize.py); on one device it is the identity
+        self.shared_key: Callable[[torch.Tensor], torch.Tensor] = _same
 
     def init_weights(self, init_std: float) -> None:
         """The input projections ~ N(0, 0.02), wo ~ N(0, init_std), cut at [-2, 2]; the latent norms to ones
@@ -101,6 +109,7 @@ class Attention(nn.Module):
         q_nope, q_pe = torch.split(q, [nope, rope], dim=-1)
         kv = self.wkv_a(x)  # (B, T, Dc + Dr): the latent and the shared rotary key
         latent, k_pe = torch.split(kv, [self.kv_lora_rank, rope], dim=-1)
+        k_pe = self.shared_key(k_pe)
         q_pe, k_pe = apply_rotary_emb(q_pe, k_pe.unsqueeze(2), freqs_cis[self.positions(seqlen)])  # k_pe (B, T, 1, Dr)
         kv = self.wkv_b(self.kv_norm(latent)).view(bs, seqlen, -1, nope + self.v_head_dim)  # (B, T, H, Dn + Dv)
         k_nope, v = torch.split(kv, [nope, self.v_head_dim], dim=-1)
