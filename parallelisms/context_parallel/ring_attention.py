@@ -195,9 +195,18 @@ class RingAttention:
         self.plan = RingPlan(RingGroup.of(cp_mesh), causal, load_balance, rotate_method, kernel)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        if q.shape[2] != k.shape[2] or k.shape != v.shape:
+        if q.shape[2] != k.shape[2] or k.shape[:-1] != v.shape[:-1] or q.shape[-1] != k.shape[-1]:
             raise ValueError(f"ring attention: q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} must "
-                             f"hold the same tokens (this rank's shard of one sequence)")  # fmt: skip
+                             f"hold the same tokens (this rank's shard of one sequence), q and k one head size")  # fmt: skip
+        if v.shape[-1] > q.shape[-1]:
+            raise ValueError(
+                f"ring attention: values {v.shape[-1]} wide are wider than queries and keys ({q.shape[-1]})"
+            )
+        if v.shape[-1] < q.shape[-1]:
+            # narrower values (DeepSeek's latent attention: 128 against 192): the kernels take one head size, so v
+            # gets zero channels, which the output then has as zeros (the weights are the same) and drops
+            width = v.shape[-1]
+            return self(q, k, torch.nn.functional.pad(v, (0, q.shape[-1] - width)))[..., :width]
         if q.shape[1] % k.shape[1]:
             raise ValueError(f"ring attention: {q.shape[1]} query heads do not group over {k.shape[1]} K/V heads")
         if self.plan.load_balance and self.plan.causal and q.shape[2] % 2:

@@ -1,0 +1,92 @@
+"""Qwen3-MoE and DeepSeek-V3 through the trainer under every parallelism: FSDP, HSDP, TP/SP (experts sharded on
+their hidden dim, router replicated), PP (DeepSeek's dense block first), CP, DDP and selective activation
+checkpointing each follow one process on the same global batches (fp32, AdamW, load balancing on, so the routing
+bias moves every step and every layout must move it alike); the expert-load metrics are logged. Tiny flavors of
+both families (registered in each rank) keep the runs to seconds; `./run_train.sh` trains the real debug flavors
+in tests/trainer/test_moe_run_train.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.trainer.test_pipeline_training import JOB
+from tests.trainer.test_train import _losses, _train_rank
+from tests.world import run_world
+
+TP2 = ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
+PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
+CP2 = ["--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
+DDP2 = ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
+HSDP = ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"]
+LBS2, LBS1 = ["--training.local_batch_size", "2"], ["--training.local_batch_size", "1"]  # dp 2, dp 4: the same batch
+SAC = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]
+
+
+def register_tiny_flavors() -> None:
+    """`tiny_moe` flavors of both families (this process only): every MoE feature on, seconds per step."""
+    from models.common.moe_args import MoEArgs
+    from models.deepseek_v3.args import DeepSeekV3ModelArgs, deepseek_v3_configs
+    from models.qwen3.args import Qwen3ModelArgs, qwen3_configs
+
+    qwen3_configs["tiny_moe"] = Qwen3ModelArgs(
+        dim=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16, vocab_size=2048, hidden_dim=128, moe_enabled=True,
+        moe_inter_dim=32, moe_args=MoEArgs(num_experts=8, num_shared_experts=0, top_k=2, score_func="softmax",
+                                           route_norm=True, score_before_experts=False, load_balance_coeff=1e-2),
+    )  # fmt: skip
+    deepseek_v3_configs["tiny_moe"] = DeepSeekV3ModelArgs(
+        vocab_size=2048, dim=64, inter_dim=128, moe_inter_dim=32, n_layers=4, n_dense_layers=1, n_heads=4,
+        q_lora_rank=0, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+        n_expert_groups=4, n_limited_groups=2,
+        moe_args=MoEArgs(num_experts=8, num_shared_experts=1, top_k=2, score_func="sigmoid", route_norm=True,
+                         route_scale=2.5, score_before_experts=False, load_balance_coeff=1e-2),
+    )  # fmt: skip
+
+
+def _train_tiny(argv: list[str]) -> list[str]:
+    register_tiny_flavors()
+    return _train_rank(argv)
+
+
+def _job(family: str, folder: Path) -> list[str]:
+    return [*JOB, "--model.name", family, "--model.flavor", "tiny_moe", "--job.dump_folder", str(folder)]
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[str]]:
+    return {
+        family: run_world(_train_tiny, 1, _job(family, tmp_path_factory.mktemp(family)))[0]
+        for family in ("qwen3", "deepseek_v3")
+    }
+
+
+@pytest.mark.parametrize(
+    "family, world, layout",
+    [
+        ("qwen3", 2, LBS2),  # FSDP(2)
+        ("qwen3", 2, TP2),
+        ("qwen3", 4, [*HSDP, *LBS1]),
+        ("qwen3", 2, PP2),
+        ("qwen3", 2, [*CP2, *SAC]),
+        ("deepseek_v3", 4, ["--parallelism.tensor_parallel_degree", "2", *LBS2]),  # FSDP(2) x TP(2)
+        ("deepseek_v3", 2, PP2),
+        ("deepseek_v3", 2, CP2),
+        ("deepseek_v3", 2, [*DDP2, *LBS2]),
+    ],
+    ids=["qwen3_fsdp2", "qwen3_tp2", "qwen3_hsdp", "qwen3_pp2", "qwen3_cp2_sac", "dsv3_fsdp2_tp2", "dsv3_pp2",
+         "dsv3_cp2", "dsv3_ddp2"],
+)  # fmt: skip
+def test_moe_training_follows_one_process(
+    tmp_path: Path, one_process: dict[str, list[str]], family: str, world: int, layout: list[str]
+) -> None:
+    lines = run_world(_train_tiny, world, [*_job(family, tmp_path), *layout])[0]
+    losses, reference = _losses(lines), _losses(one_process[family])
+    assert len(losses) == 4 and losses == pytest.approx(reference, abs=2e-4), (reference, losses)
+
+
+def test_the_expert_load_is_logged_every_log_step(one_process: dict[str, list[str]]) -> None:
+    for family, n_moe in (("qwen3", 4), ("deepseek_v3", 3)):
+        loads = [line for line in one_process[family] if line.startswith("moe | step")]
+        assert len(loads) == 4, one_process[family]
+        assert f"mean over {n_moe} layers" in loads[-1] and "routing bias max |b| " in loads[-1], loads[-1]
