@@ -196,8 +196,10 @@ class RingAttention:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if q.shape[2] != k.shape[2] or k.shape[:-1] != v.shape[:-1] or q.shape[-1] != k.shape[-1]:
-            raise ValueError(f"ring attention: q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} must "
-                             f"hold the same tokens (this rank's shard of one sequence), q and k one head size")  # fmt: skip
+            raise ValueError(
+                f"ring attention: q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} must hold the same "
+                f"tokens (this rank's shard of one sequence), q and k one head size"
+            )
         if v.shape[-1] > q.shape[-1]:
             raise ValueError(
                 f"ring attention: values {v.shape[-1]} wide are wider than queries and keys ({q.shape[-1]})"
