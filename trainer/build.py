@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import weakref
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -37,7 +37,7 @@ def build_model(cfg: JobConfig, vocab_size: int, *, n_layers: int | None = None)
     # the model's name and flavor: checked by check_config, as every entry point runs it first
     args = job_model_args(cfg.model.name, cfg.model.flavor, vocab_size=vocab_size, max_seq_len=cfg.training.seq_len)
     if n_layers is not None:
-        args = dataclasses.replace(args, n_layers=n_layers)
+        args = dataclasses.replace(args, n_layers=n_layers, **_sampled_dense_layers(cfg, args, n_layers))
     if getattr(args, "moe_args", None) is not None:  # torchtitan's training.debug_moe_force_load_balance
         force = cfg.training.debug_moe_force_load_balance
         args = dataclasses.replace(args, moe_args=dataclasses.replace(args.moe_args, _debug_force_load_balance=force))
@@ -54,6 +54,16 @@ def build_model(cfg: JobConfig, vocab_size: int, *, n_layers: int | None = None)
         if cfg.model.print_after_conversion:
             logger.info("model after conversion:\n%s", model)
     return model
+
+
+def _sampled_dense_layers(cfg: JobConfig, args: Any, n_layers: int) -> dict[str, int]:
+    """DeepSeek's dense first blocks in a dry-run variant of `n_layers` blocks. Without PP the sampled counts start
+    after them (trainer/estimate/sampling.py), so they stay. Under PP the variants hold k blocks per stage, which
+    cannot keep them in place consistently: every block is then an MoE block, an upper bound for the first stage."""
+    dense = getattr(args, "n_dense_layers", 0)
+    if dense and (cfg.parallelism.pipeline_parallel_degree > 1 or dense >= n_layers):
+        return {"n_dense_layers": 0}
+    return {}
 
 
 def init_model(model: Decoder, device: torch.device) -> None:

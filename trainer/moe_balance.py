@@ -61,7 +61,7 @@ class ExpertBalancer:
             name.removesuffix(".moe"): m for part in parts for name, m in part.named_modules() if isinstance(m, MoE)
         }
         self.group = group
-        self.last: ExpertLoad | None = None
+        self._stats: torch.Tensor | None = None
 
     def __bool__(self) -> bool:
         return bool(self.layers)
@@ -81,9 +81,16 @@ class ExpertBalancer:
             m.tokens_per_expert.zero_()
         biases = [m.expert_bias.abs().max() if m.expert_bias is not None else counts.new_zeros(()) for m in
                   self.layers.values()]  # fmt: skip
-        stats = torch.stack([counts.max(1).values, counts.mean(1), torch.stack(biases)]).tolist()
+        # read by the host only when logged (`last`): no sync per step, and the dry run's fake tensors have no values
+        self._stats = torch.stack([counts.max(1).values, counts.mean(1), torch.stack(biases)])
+
+    @property
+    def last(self) -> ExpertLoad | None:
+        """The load of the last update, None before the first."""
+        if self._stats is None:
+            return None
         names = list(self.layers)
-        self.last = ExpertLoad(*(dict(zip(names, row)) for row in stats))
+        return ExpertLoad(*(dict(zip(names, row)) for row in self._stats.tolist()))
 
 
 def register_expert_balancing(

@@ -284,8 +284,8 @@ def train_loop(cfg: JobConfig, runtime: Runtime, c: Components) -> list[float]:
                 nonfinite.check()  # the host waits here anyway
                 loss = reduce_loss(result.loss, runtime.dp_cp_mesh)
                 c.metrics.log_interval(step, loss=loss, grad_norm=float(result.grad_norm), lr=lr)
-                if c.balancer.last is not None:
-                    c.metrics.log_expert_load(step, c.balancer.last)
+                if (load := c.balancer.last) is not None:
+                    c.metrics.log_expert_load(step, load)
             end_of_step(c, step, last=step == training.steps, preemption=preemption)
             if step == first_step:  # it may have compiled or loaded: init_timeout_seconds covered it
                 set_collective_timeout(runtime, cfg.comm.train_timeout_seconds)

@@ -169,12 +169,16 @@ class MoE(nn.Module):
         bs, seqlen, dim = x.shape
         x = x.reshape(-1, dim)  # (N, D)
         top_scores, selected = self.router(x, self.expert_bias)  # (N, k) each
-        counts = torch.bincount(selected.flatten(), minlength=self.num_experts)  # (E,)
+        flat = selected.flatten()
+        # a scatter, not bincount, whose output size depends on the data (the dry run traces on fake tensors)
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device).scatter_add_(
+            0, flat, torch.ones_like(flat)
+        )  # (E,)
         if not _in_backward():
             with torch.no_grad():
                 self.tokens_per_expert.add_(counts)
         # the N k (token, expert) pairs sorted by expert; a stable sort keeps each expert's tokens in order
-        order = selected.flatten().argsort(stable=True)  # (N k,)
+        order = flat.argsort(stable=True)  # (N k,)
         token_of = order // self.top_k
         scores = top_scores.flatten()[order].unsqueeze(-1)  # (N k, 1) fp32
         routed = x.index_select(0, token_of)  # (N k, D)

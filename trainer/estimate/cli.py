@@ -44,8 +44,24 @@ def format_table(e: Estimate, cfg: JobConfig, *, margin: float) -> str:
     lines.append(f"step time {t.step_s:.3f}s = compute {t.compute_s:.3f}s (at {e.device.efficiency:.0%} of "
                  f"{peaks} TFLOPS){bubble} + exposed comm ({exposed})")  # fmt: skip
     lines.append(f"tok/s per device {e.tokens_per_s_per_device:,.0f} | mfu {e.mfu:.1%}")
+    lines += moe_assumption(cfg)
     lines += [f"warning: {w}" for w in e.warnings]
     return "\n".join(lines)
+
+
+def moe_assumption(cfg: JobConfig) -> list[str]:
+    """What the estimate assumes of an MoE model's routing, which depends on the data it cannot see."""
+    from models.registry import flavor_args, moe_args_of, n_moe_layers
+
+    args = flavor_args(cfg.model.name, cfg.model.flavor)
+    moe = moe_args_of(args)
+    if moe is None:
+        return []
+    return [
+        f"moe: {n_moe_layers(args)} layers x {moe.num_experts} experts, top {moe.top_k}: memory holds every expert, "
+        f"the model FLOPs count the {moe.top_k} active; each expert's grouped GEMM runs tokens x top_k rows in all, "
+        f"so balanced or not, routing costs the same here (without expert parallelism every rank holds every expert)"
+    ]
 
 
 def _role_lines(e: Estimate, role: Role, *, margin: float, named: bool) -> list[str]:

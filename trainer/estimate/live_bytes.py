@@ -45,13 +45,26 @@ CATEGORIES = (
 _Entry = tuple[int, int, str]
 
 
-# torch's flop formulas, plus the CPU flash attention (the formulas are the same as the GPU kernels')
+# torch's flop formulas, plus the CPU flash attention (the formulas are the same as the GPU kernels') and the
+# grouped GEMM of an MoE's experts
 _aten = torch.ops.aten
+
+
+def grouped_mm_flop(a: torch.Tensor, b: torch.Tensor, *args: Any, out_val: torch.Tensor, **kwargs: Any) -> int:
+    """`_grouped_mm`'s FLOPs: every row of a 2-D operand is multiplied once, whatever the groups. (M, K) x (E, K, N)
+    -> (M, N) and batched (E, M, K) x (E, K, N) cost 2 x out x K; (K, M) x (M, N) -> (E, K, N), the weights'
+    gradient with the M rows split among the groups, costs 2 x K x M x N."""
+    if a.dim() == 2 and b.dim() == 2:
+        return 2 * a.shape[0] * a.shape[1] * b.shape[1]
+    return 2 * out_val.numel() * a.shape[-1]
+
+
 FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 FLOP_FORMULAS: dict[Any, Callable[..., int]] = {
     **flop_registry,
     _aten._scaled_dot_product_flash_attention_for_cpu: sdpa_flop,
     _aten._scaled_dot_product_flash_attention_for_cpu_backward: sdpa_backward_flop,
+    _aten._grouped_mm: grouped_mm_flop,
 }
 
 

@@ -191,7 +191,9 @@ def _traced_from_samples(cfg: JobConfig, runtime: Runtime, *, fake: bool, every_
             return _sampled_microbatches(cfg, runtime, lambda c, r: trace_pipeline_step(c, r, fake=fake))
         return _sampled_microbatches(cfg, runtime, lambda c, r: _sampled_blocks(c, r, fake, blocks))
     n_layers = flavor_args(cfg.model.name, cfg.model.flavor).n_layers
-    k1, k2 = SAMPLED_LAYERS
+    # DeepSeek's dense first blocks are in every sample: the line runs through its MoE blocks
+    dense = getattr(flavor_args(cfg.model.name, cfg.model.flavor), "n_dense_layers", 0)
+    k1, k2 = (dense + k for k in SAMPLED_LAYERS)
     if every_block or n_layers <= k2:
         return trace_step(cfg, runtime, fake=fake)
     return _blocks_on_a_line(

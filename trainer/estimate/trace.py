@@ -34,6 +34,7 @@ from parallelisms.parallel_dims import FLATTENED
 from ..build import assemble_pipeline, build_job_optimizer, build_model, init_model, to_training_dtype
 from ..config.data_files import accumulation_steps
 from ..config.sections import JobConfig
+from ..moe_balance import register_expert_balancing
 from ..pipeline_training import pipeline_train_step, split_for_rank
 from ..runtime import Runtime
 from ..step import MicroBatches, global_target_count, train_step
@@ -234,6 +235,8 @@ def trace_step(
     with _fake_tensors(fake), track_live_bytes() as live:
         _allocate(cfg, model, runtime.device, fake=fake)
         optimizer = build_job_optimizer(cfg, model)
+        dp_cp = runtime.dp_cp_mesh  # the MoE balancing's all-reduce, as the trainer's
+        register_expert_balancing(model, optimizer, dp_cp.get_group() if dp_cp is not None else None)
         shape = (training.local_batch_size, training.seq_len)
         micro = [(_tokens(vocab, shape, runtime.device), _tokens(vocab, shape, runtime.device)) for _ in range(n_micro)]
 
@@ -306,6 +309,8 @@ def trace_pipeline_step(
             _allocate(cfg, part, runtime.device, fake=fake)
         model = assemble_pipeline(cfg, runtime, whole, parts, stage_ids)
         optimizer = build_job_optimizer(cfg, model)
+        dp_cp = runtime.dp_cp_mesh  # the MoE balancing's all-reduce, as the trainer's
+        register_expert_balancing(model, optimizer, dp_cp.get_group() if dp_cp is not None else None)
         shape = (training.local_batch_size, training.seq_len)
         micro = [(_tokens(vocab, shape, runtime.device), _tokens(vocab, shape, runtime.device)) for _ in range(n_micro)]
 
