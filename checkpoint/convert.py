@@ -44,13 +44,17 @@ def parse_size(text: str) -> int:
 
 
 # --------------------------------------------------------------------------- model family
-def _adapter(name: object) -> HFAdapter[Any]:
-    """The HF adapter of the family `name` names (a checkpoint's model.name or config.json's model_type).
-    A name no family claims, or none, gets the default family's adapter, whose own checks then refuse the
-    input naming what they expected (as `model_type is 'mistral', expected 'llama'`)."""
+def _adapter(name: object, *, what: str) -> HFAdapter[Any]:
+    """The HF adapter of the family `name` names (`what`: a checkpoint's model.name or config.json's model_type);
+    None (not recorded, or no config.json to read) gets the default family's, whose own checks then say what is
+    missing. A name no family claims is refused, naming the ones meshtrain reads."""
     from models.hf_adapters import hf_adapter, hf_adapter_names  # the application layer's one models import
 
-    return hf_adapter(name if isinstance(name, str) and name in hf_adapter_names() else _DEFAULT_FAMILY)
+    if name is None:
+        return hf_adapter(_DEFAULT_FAMILY)
+    if not isinstance(name, str) or name not in hf_adapter_names():
+        raise ValueError(f"{what} is {name!r}, which meshtrain does not convert; it converts {hf_adapter_names()}")
+    return hf_adapter(name)
 
 
 def _checkpoint_model_name(ckpt: str) -> object:
@@ -88,13 +92,14 @@ def _run_inspect(ckpt: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m checkpoint.convert", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("to-hf", help="export a checkpoint's model as a Hugging Face Llama directory")
+    p = sub.add_parser("to-hf", help="export a checkpoint's model as a Hugging Face directory of its family")
     p.add_argument("ckpt", help="checkpoint directory (index.json + rank-*.safetensors)")
     p.add_argument("out", help="new output directory (must not exist, or be empty)")
     p.add_argument("--dtype", choices=OUT_DTYPES, default="float32", help="dtype of the exported weights")
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB, 500MB, 2GiB")
-    p.add_argument("--flavor", help="llama3 flavor to assume when the checkpoint's metadata names none")
-    p = sub.add_parser("from-hf", help="import a Hugging Face Llama directory as a model-only checkpoint")
+    p.add_argument("--flavor", help="flavor to assume when the checkpoint's metadata names none")
+    what = "a Hugging Face Llama, Qwen3, Qwen3-MoE or DeepSeek-V3 directory"
+    p = sub.add_parser("from-hf", help=f"import {what} (config.json's model_type) as a model-only checkpoint")
     p.add_argument("hf_dir", help="directory with config.json and *.safetensors")
     p.add_argument("out", help="new checkpoint directory (must not exist, or be empty)")
     p.add_argument("--dtype", choices=OUT_DTYPES, default="float32", help="dtype of the checkpoint (training: float32)")
@@ -111,11 +116,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run_inspect(args.ckpt)
         if args.command == "to-hf":
             max_shard_size = parse_size(args.max_shard_size)
-            adapter = _adapter(_checkpoint_model_name(args.ckpt))
+            adapter = _adapter(_checkpoint_model_name(args.ckpt), what="the checkpoint's model.name")
             out = to_hf(args.ckpt, args.out, adapter, dtype=args.dtype, max_shard_size=max_shard_size,
                         flavor=args.flavor)  # fmt: skip
         else:
-            out = from_hf(args.hf_dir, args.out, _adapter(_hf_model_type(args.hf_dir)), dtype=args.dtype)
+            adapter = _adapter(_hf_model_type(args.hf_dir), what=f"{args.hf_dir}/config.json's model_type")
+            out = from_hf(args.hf_dir, args.out, adapter, dtype=args.dtype)
     except (ValueError, TypeError, OSError) as e:  # CheckpointError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 1

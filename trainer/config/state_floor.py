@@ -54,7 +54,7 @@ def parameter_count(cfg: JobConfig, vocab_size: int) -> int:
 
 def check_host_memory(cfg: JobConfig, layout: Degrees, ranks_here: int, available: int) -> None:
     """Raise ValueError when `ranks_here` CPU ranks cannot hold their model state in `available` bytes."""
-    vocab = max(cfg.model.vocab_size, 0)  # a tokenizer's vocabulary is not read here: the floor leaves it out
+    vocab = max(cfg.model.vocab_size, 1)  # a tokenizer's vocabulary is not read here: the floor leaves it out (one row)
     n_params = parameter_count(cfg, vocab)
     per_rank = state_bytes_lower_bound(cfg, n_params, layout)
     if per_rank * ranks_here <= available:
