@@ -129,7 +129,10 @@ def _hf_dir(tmp_path: Path, config: dict[str, object]) -> Path:
 @pytest.mark.parametrize(
     ("change", "needle"),
     [
-        ({"model_type": "mistral", "architectures": ["MistralForCausalLM"]}, "model_type is 'mistral', which meshtrain does not convert; it converts ['deepseek_v3', 'llama'"),
+        (
+            {"model_type": "mistral", "architectures": ["MistralForCausalLM"]},
+            "model_type is 'mistral', which meshtrain does not convert; it converts ['deepseek_v3', 'llama'",
+        ),
         ({"mlp_only_layers": [0]}, "mlp_only_layers=[0]: meshtrain's Qwen3-MoE has an MoE in every layer"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "our Qwen3 implements plain RoPE only"),
     ],
