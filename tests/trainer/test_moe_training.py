@@ -1,15 +1,18 @@
 """Qwen3-MoE and DeepSeek-V3 through the trainer under every parallelism: FSDP, HSDP, TP/SP (experts sharded on
 their hidden dim, router replicated), PP (DeepSeek's dense block first), CP, DDP and selective activation
 checkpointing each follow one process on the same global batches (fp32, AdamW, load balancing on, so the routing
-bias moves every step and every layout must move it alike); the expert-load metrics are logged. Tiny flavors of
-both families (registered in each rank) keep the runs to seconds; `./run_train.sh` trains the real debug flavors
-in tests/trainer/test_moe_run_train.py."""
+bias moves every step and every layout must move it alike); the expert-load metrics are logged. A checkpoint
+saved under FSDP resumes under TP and under PP (routing biases and experts resharded), and its export loads in
+transformers with our logits. Tiny flavors of both families (registered in each rank) keep the runs to seconds;
+`./run_train.sh` trains the real debug flavors (tests/trainer/test_torchtitan_configs.py)."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.trainer.test_pipeline_training import JOB
 from tests.trainer.test_train import _losses, _train_rank
@@ -37,6 +40,7 @@ def register_tiny_flavors() -> None:
     )  # fmt: skip
     deepseek_v3_configs["tiny_moe"] = DeepSeekV3ModelArgs(
         vocab_size=2048, dim=64, inter_dim=128, moe_inter_dim=32, n_layers=4, n_dense_layers=1, n_heads=4,
+        norm_eps=1e-6,  # Hugging Face's DeepseekV3 norms its latents at 1e-6 whatever rms_norm_eps says
         q_lora_rank=0, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
         n_expert_groups=4, n_limited_groups=2,
         moe_args=MoEArgs(num_experts=8, num_shared_experts=1, top_k=2, score_func="sigmoid", route_norm=True,
@@ -90,3 +94,50 @@ def test_the_expert_load_is_logged_every_log_step(one_process: dict[str, list[st
         loads = [line for line in one_process[family] if line.startswith("moe | step")]
         assert len(loads) == 4, one_process[family]
         assert f"mean over {n_moe} layers" in loads[-1] and "routing bias max |b| " in loads[-1], loads[-1]
+
+
+CKPT = ["--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.last_save_model_only", "false"]
+
+
+def test_an_fsdp_checkpoint_resumes_under_tp_and_pp_and_exports_to_transformers(tmp_path: Path) -> None:
+    fsdp = [*_job("deepseek_v3", tmp_path / "fsdp"), *CKPT, *LBS2]
+    straight = _losses(run_world(_train_tiny, 2, fsdp)[0])
+    for name, layout in (("tp", TP2), ("pp", PP2)):
+        shutil.copytree(tmp_path / "fsdp" / "checkpoint" / "step-2", tmp_path / name / "checkpoint" / "step-2")
+        resumed = _losses(run_world(_train_tiny, 2, [*_job("deepseek_v3", tmp_path / name), *CKPT, *layout])[0])
+        assert resumed == pytest.approx(straight[2:], abs=2e-4), (name, straight, resumed)
+    ours, theirs = run_world(_exported_logits, 1, tmp_path / "fsdp" / "checkpoint" / "step-4", tmp_path / "hf")[0]
+    torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=1e-5)
+
+
+def _exported_logits(ckpt: Path, hf_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """Our model loaded from `ckpt` and transformers' from its `to-hf` export, on the same tokens."""
+    import transformers
+
+    import checkpoint
+    from checkpoint import convert
+    from checkpoint.stateful import ModelState
+    from models.deepseek_v3 import DeepSeekV3Model
+    from models.deepseek_v3.hf_adapter import DEEPSEEK_V3_HF_ADAPTER
+
+    register_tiny_flavors()
+    assert convert.main(["to-hf", str(ckpt), str(hf_dir)]) == 0
+    args = DEEPSEEK_V3_HF_ADAPTER.model_args_from_json(checkpoint.read_index(ckpt).metadata["model_args"])
+    ours = DeepSeekV3Model(args)
+    checkpoint.load({"model": ModelState(ours).state_dict()}, ckpt)
+    assert ours.layers["1"].moe.expert_bias.abs().sum() > 0  # trained: the routing bias moved and is exported
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    tokens = torch.randint(0, args.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return ours(tokens), theirs(tokens).logits
+
+
+def test_float8_on_the_dense_linears_trains_fsdp_like_one_process(tmp_path: Path) -> None:
+    """float8 converts the attention's and the shared experts' linears (the grouped experts and, by filter, the
+    router and the output stay high precision). An activation's scale is its microbatch's, so one process
+    accumulates the two-sequence microbatches FSDP(2) casts."""
+    f8 = ["--model.converters", "float8", "--quantize.linear.float8.filter_fqns", "output,router.gate",
+          "--quantize.linear.float8.emulate", *LBS2]  # fmt: skip
+    one = _losses(run_world(_train_tiny, 1, [*_job("deepseek_v3", tmp_path / "one"), *f8])[0])
+    fsdp = _losses(run_world(_train_tiny, 2, [*_job("deepseek_v3", tmp_path / "fsdp"), *f8])[0])
+    assert len(fsdp) == 4 and fsdp == pytest.approx(one, abs=2e-4), (one, fsdp)
