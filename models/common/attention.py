@@ -5,7 +5,7 @@ attention never uses the configured head counts to reshape: it infers the local 
 projection outputs (`view(B, T, -1, head_dim)`), so a rank holding n_heads / tp query heads and
 n_kv_heads / tp key/value heads runs the same code. Context parallelism swaps two attributes instead of
 subclassing: `positions` (the RoPE rows of this rank's tokens) and `core_attention` (the attention over a
-sequence sharded across ranks); models/llama3/parallelize.py: apply_cp.
+sequence sharded across ranks); models/decoder_parallelize.py: apply_cp.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from torch import nn
 class FeedForward(nn.Module):
     """SwiGLU MLP: w2(silu(w1 x) * w3 x), `hidden_dim` wide (Llama 3: TransformerModelArgs.ffn_hidden_dim).
 
-    Tensor parallelism shards w1 and w3 by column and w2 by row (models/llama3/parallelize.py: apply_tp), so the
+    Tensor parallelism shards w1 and w3 by column and w2 by row (models/llama3/parallelize.py: block_tp_plan), so the
     names are part of the plan and of the checkpoint format."""
 
     def __init__(self, dim: int, hidden_dim: int) -> None:

@@ -37,7 +37,7 @@ __all__ = [
 class Attention(GroupedQueryAttention):
     """Llama 3's attention: grouped-query, head_dim = dim / n_heads, no QK-norm (models/common/attention.py).
 
-    `positions` and `core_attention` are what context parallelism swaps (models/llama3/parallelize.py:
+    `positions` and `core_attention` are what context parallelism swaps (models/decoder_parallelize.py:
     apply_cp): the RoPE rows of this rank's tokens, and the attention over a sequence sharded across ranks.
     """
 

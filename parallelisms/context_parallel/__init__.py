@@ -2,7 +2,7 @@
 
 `SequenceSharding` cuts every sequence (inputs, labels, RoPE positions) into this rank's share, head-tail
 load-balanced for causal attention; `RingAttention` replaces `F.scaled_dot_product_attention` on those
-shards. Llama's wiring is `models/llama3/parallelize.py: apply_cp`.
+shards. The decoders' wiring is `models/decoder_parallelize.py: apply_cp`.
 """
 
 from .blocks import Block, Half, attention_block, block_pairs, ring_sources
