@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from models.common.moe import MoE
+from parallelisms.dtensor import DeviceMesh
 
 logger = logging.getLogger(__name__)
 
@@ -56,11 +57,12 @@ class ExpertLoad:
 class ExpertBalancer:
     """The MoE layers of this rank's model parts, balanced before each optimizer step (see the module docstring)."""
 
-    def __init__(self, parts: list[nn.Module], group: dist.ProcessGroup | None) -> None:
+    def __init__(self, parts: list[nn.Module], mesh: DeviceMesh | None) -> None:
         self.layers = {
             name.removesuffix(".moe"): m for part in parts for name, m in part.named_modules() if isinstance(m, MoE)
         }
-        self.group = group
+        # the mesh, not its group: a mesh holds its groups weakly, so destroy_process_group() frees them
+        self.mesh = mesh
         self._stats: torch.Tensor | None = None
 
     def __bool__(self) -> bool:
@@ -72,8 +74,8 @@ class ExpertBalancer:
         if not self.layers:
             return
         counts = torch.stack([m.tokens_per_expert for m in self.layers.values()])  # (L, E)
-        if self.group is not None and dist.get_world_size(self.group) > 1:
-            dist.all_reduce(counts, group=self.group)
+        if self.mesh is not None and self.mesh.size() > 1:
+            dist.all_reduce(counts, group=self.mesh.get_group())
         for m, load in zip(self.layers.values(), counts):
             if m.expert_bias is not None and m.load_balance_coeff is not None:
                 delta = m.load_balance_coeff * torch.sign(load.mean() - load)
@@ -94,12 +96,12 @@ class ExpertBalancer:
 
 
 def register_expert_balancing(
-    model: nn.Module, optimizer: torch.optim.Optimizer, group: dist.ProcessGroup | None
+    model: nn.Module, optimizer: torch.optim.Optimizer, mesh: DeviceMesh | None
 ) -> ExpertBalancer:
-    """Balance `model`'s MoE layers (a pipeline's parts: each) before every step of `optimizer`; `group` is the
+    """Balance `model`'s MoE layers (a pipeline's parts: each) before every step of `optimizer`; `mesh` is the
     dp x cp ranks' (None on one process). Returns the balancer (empty, and no hook, for a dense model)."""
     parts = list(getattr(model, "parts", [model]))
-    balancer = ExpertBalancer(parts, group)
+    balancer = ExpertBalancer(parts, mesh)
     if balancer:
         optimizer.register_step_pre_hook(lambda *_: balancer.update())
     return balancer

@@ -167,8 +167,7 @@ def build_components(cfg: JobConfig, runtime: Runtime) -> Components:
         dp_rank=runtime.dp_rank, dp_size=runtime.dp_size, seed=training.seed,
         global_batch_size=training.global_batch_size if training.global_batch_size > 0 else None,
     )  # fmt: skip
-    dp_cp = runtime.dp_cp_mesh
-    balancer = register_expert_balancing(model, optimizer, dp_cp.get_group() if dp_cp is not None else None)
+    balancer = register_expert_balancing(model, optimizer, runtime.dp_cp_mesh)
     fpt = flops_per_token(cfg.model.name, model.model_args, training.seq_len)  # the whole model's, under PP too
     tb_folder = tensorboard_folder(cfg, dist.get_rank())
     metrics = MetricsLogger(

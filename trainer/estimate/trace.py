@@ -235,8 +235,7 @@ def trace_step(
     with _fake_tensors(fake), track_live_bytes() as live:
         _allocate(cfg, model, runtime.device, fake=fake)
         optimizer = build_job_optimizer(cfg, model)
-        dp_cp = runtime.dp_cp_mesh  # the MoE balancing's all-reduce, as the trainer's
-        register_expert_balancing(model, optimizer, dp_cp.get_group() if dp_cp is not None else None)
+        register_expert_balancing(model, optimizer, runtime.dp_cp_mesh)  # its all-reduce, as the trainer's
         shape = (training.local_batch_size, training.seq_len)
         micro = [(_tokens(vocab, shape, runtime.device), _tokens(vocab, shape, runtime.device)) for _ in range(n_micro)]
 
@@ -309,8 +308,7 @@ def trace_pipeline_step(
             _allocate(cfg, part, runtime.device, fake=fake)
         model = assemble_pipeline(cfg, runtime, whole, parts, stage_ids)
         optimizer = build_job_optimizer(cfg, model)
-        dp_cp = runtime.dp_cp_mesh  # the MoE balancing's all-reduce, as the trainer's
-        register_expert_balancing(model, optimizer, dp_cp.get_group() if dp_cp is not None else None)
+        register_expert_balancing(model, optimizer, runtime.dp_cp_mesh)  # its all-reduce, as the trainer's
         shape = (training.local_batch_size, training.seq_len)
         micro = [(_tokens(vocab, shape, runtime.device), _tokens(vocab, shape, runtime.device)) for _ in range(n_micro)]
 
