@@ -49,6 +49,7 @@ def parallelize_decoder(
     ac_mode: ACMode = "none",
     ac_selective_option: str = "op",
     ac_early_stop: bool = True,
+    ac_force_recompute_mm_fqns: tuple[str, ...] = ("moe.router.gate",),
     mp_policy: MixedPrecisionPolicy | None = None,
     reshard_after_forward: bool = True,
     compile_backend: str | None = None,
@@ -62,7 +63,8 @@ def parallelize_decoder(
         apply_tp(model, world_mesh["tp"], block_tp_plan, loss_parallel=loss_parallel)
     if parallel_dims.cp_enabled:
         apply_cp(model, world_mesh["cp"], rotate_method=cp_rotate_method)
-    apply_ac(model, ac_mode, selective_option=ac_selective_option, early_stop=ac_early_stop)
+    apply_ac(model, ac_mode, selective_option=ac_selective_option, early_stop=ac_early_stop,
+             force_recompute_mm_fqns=ac_force_recompute_mm_fqns)  # fmt: skip
     if compile_backend is not None and compile_supported(parallel_dims):
         apply_compile(model, compile_backend)
     dp_mesh = data_parallel_mesh(parallel_dims, world_mesh)

@@ -17,8 +17,9 @@ checkpointed region, and the recomputation runs while the block's parameters are
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -56,12 +57,22 @@ _SAVE_OPS = _MATMULS | frozenset(
 )
 
 
-def apply_ac(model: nn.Module, mode: ACMode, *, selective_option: str = "op", early_stop: bool = True) -> nn.Module:
+def apply_ac(
+    model: nn.Module,
+    mode: ACMode,
+    *,
+    selective_option: str = "op",
+    early_stop: bool = True,
+    force_recompute_mm_fqns: Sequence[str] = (),
+) -> nn.Module:
     """Checkpoint the blocks of `model.layers` (an nn.ModuleDict or nn.ModuleList) in place.
 
     `selective_option` (torchtitan's `selective_ac_option`) refines mode "selective": "op" checkpoints
     every block op by op; an int N checkpoints every N-th block fully (blocks N-1, 2N-1, ...) and leaves
     the others alone. `early_stop` ends each recomputation once the tensors backward needs exist again.
+    `force_recompute_mm_fqns` (torchtitan's `per_op_sac_force_recompute_mm_shapes_by_fqns`, default an MoE's
+    router gate): under "op", the matmuls by these linears' weights are always recomputed and do not take a
+    turn in the every-other-matmul count (a router's small matmul would otherwise take the turn of a big one).
     """
     if mode not in AC_MODES:
         raise ValueError(
@@ -77,18 +88,38 @@ def apply_ac(model: nn.Module, mode: ACMode, *, selective_option: str = "op", ea
     blocks = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
     for i, block in enumerate(blocks):  # type: ignore[arg-type]
         if (i + 1) % every == 0:
-            checkpoint_module(block, selective=mode == "selective" and selective_option == "op", early_stop=early_stop)
+            forced = _weight_shapes(block, force_recompute_mm_fqns)
+            checkpoint_module(block, selective=mode == "selective" and selective_option == "op", early_stop=early_stop,
+                              forced_recompute_shapes=forced)  # fmt: skip
     return model
 
 
-def checkpoint_module(module: nn.Module, *, selective: bool = False, early_stop: bool = True) -> nn.Module:
-    """Make `module`'s forward recompute in backward instead of saving its activations."""
+def _weight_shapes(block: nn.Module, fqns: Sequence[str]) -> frozenset[tuple[int, ...]]:
+    """The (in, out) shapes of the transposed weights of `block`'s linears whose names end with one of `fqns`: the
+    right operand of their forward matmul."""
+    return frozenset(
+        (m.in_features, m.out_features)
+        for name, m in block.named_modules()
+        if isinstance(m, nn.Linear) and any(name == f or name.endswith("." + f) for f in fqns)
+    )
+
+
+def checkpoint_module(
+    module: nn.Module,
+    *,
+    selective: bool = False,
+    early_stop: bool = True,
+    forced_recompute_shapes: frozenset[tuple[int, ...]] = frozenset(),
+) -> nn.Module:
+    """Make `module`'s forward recompute in backward instead of saving its activations (`selective`: op by op,
+    the matmuls by right operands of `forced_recompute_shapes` always recomputed)."""
     if module.__dict__.get("_ac_checkpointed", False):
         raise ValueError(f"{type(module).__name__} is already activation-checkpointed; apply apply_ac once")
     forward = module.forward
     # full AC passes no context_fn: torch.compile (torch 2.13) traces a checkpoint only when its
     # context_fn is absent or a constant partial; an explicit noop_context_fn fails to trace
-    options: dict[str, Any] = {"context_fn": _every_other_matmul_contexts} if selective else {}
+    contexts = partial(_every_other_matmul_contexts, forced_recompute_shapes)
+    options: dict[str, Any] = {"context_fn": contexts} if selective else {}
     if not early_stop:  # torch's default is True: pass it only when it differs, as compile traces the default
         options["early_stop"] = False
 
@@ -100,14 +131,17 @@ def checkpoint_module(module: nn.Module, *, selective: bool = False, early_stop:
     return module
 
 
-def _every_other_matmul_contexts() -> tuple[Any, Any]:
+def _every_other_matmul_contexts(forced: frozenset[tuple[int, ...]] = frozenset()) -> tuple[Any, Any]:
     """The contexts of one checkpointed call (forward and its recomputation): `_SAVE_OPS` are kept but every
     second matmul is recomputed, counted per call separately in the forward and in the recomputation, so
     both make the same choice for the same matmul. Halves the matmul activations (a block's largest) for
-    the price of recomputing about a third of its matmul FLOPs; torchtitan's selective "op" policy."""
+    the price of recomputing about a third of its matmul FLOPs; torchtitan's selective "op" policy. An `mm`
+    whose right operand has a `forced` shape is recomputed and not counted."""
     counts = {False: 0, True: 0}  # matmuls seen, by ctx.is_recompute
 
     def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if op is aten.mm.default and forced and tuple(args[1].shape) in forced:
+            return CheckpointPolicy.PREFER_RECOMPUTE
         if op in _MATMULS:
             counts[ctx.is_recompute] += 1
             if counts[ctx.is_recompute] % 2 == 0:

@@ -211,3 +211,46 @@ def test_tensor_parallel_moe_equals_one_process(kw: dict) -> None:
         torch.testing.assert_close(x_grad, x.grad.chunk(2, dim=1)[rank], atol=1e-5, rtol=1e-5)
         for name, p in ref.named_parameters():
             torch.testing.assert_close(grads[name], p.grad, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def _recomputed_in_backward(forced: tuple[str, ...]) -> dict[str, int]:
+    """Op-level SAC of a block holding an MoE: how many router matmuls and grouped GEMMs the backward recomputes."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from parallelisms.activation_checkpoint import apply_ac
+
+    class Blocks(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([_Block(_moe(num_shared_experts=0))])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.layers[0](x)
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen = {"router_mm": 0, "grouped_mm": 0}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.mm.default and tuple(args[1].shape) == (DIM, 8):
+                self.seen["router_mm"] += 1
+            if func is torch.ops.aten._grouped_mm.default:
+                self.seen["grouped_mm"] += 1
+            return func(*args, **(kwargs or {}))
+
+    model = apply_ac(Blocks(), "selective", selective_option="op", force_recompute_mm_fqns=forced)
+    out = model(_x(2, 5, DIM).requires_grad_())
+    with Count() as count:
+        out.sum().backward()
+    return count.seen
+
+
+def test_op_level_sac_counts_grouped_gemms_as_matmuls_and_recomputes_the_router() -> None:
+    forced, unforced = _recomputed_in_backward(("moe.router.gate",)), _recomputed_in_backward(())
+    # forward: the router's mm (x @ gate.T), then w1, w3, w2 as grouped GEMMs; the backward itself runs 6 grouped
+    # GEMMs (2 per weight) and no mm by gate.T. Forced, the router's mm is recomputed and skips its turn: the
+    # grouped GEMMs alternate saved, recomputed (w3), saved
+    assert forced == {"router_mm": 1, "grouped_mm": 6 + 1}, forced
+    # unforced, the router's mm takes the first turn (saved): w1 recomputed, w3 saved, w2 recomputed
+    assert unforced == {"router_mm": 0, "grouped_mm": 6 + 2}, unforced

@@ -270,7 +270,8 @@ class ActivationCheckpoint:
     """With mode=selective: an int N checkpoints every N-th block fully, "op" saves only the matmul and
     attention outputs of every block and recomputes the rest."""
     per_op_sac_force_recompute_mm_shapes_by_fqns: list[str] = field(default_factory=lambda: ["moe.router.gate"])
-    """Op-level SAC: matmuls of these modules are recomputed, not saved (MoE routers; none in llama3)."""
+    """Op-level SAC: the matmuls of these linears (names ending so) are always recomputed and skip their turn in the
+    every-other-matmul count (MoE routers; none in llama3)."""
     early_stop: bool = False
     """Stop each recomputation once the tensors backward needs are rebuilt (torch.utils.checkpoint's early stop)."""
     memory_budget: float = 0.5
