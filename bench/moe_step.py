@@ -15,13 +15,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.profiler import profile
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from models.common.moe import MoE, grouped_swiglu, looped_swiglu
 from models.registry import job_model_args, model_family
 
@@ -35,15 +38,27 @@ CATEGORIES = {
                   "aten::_scaled_dot_product_flash_attention_for_cpu_backward"),
     "optimizer": ("aten::_fused_adamw_", "Optimizer.zero_grad#AdamW.zero_grad"),
 }  # fmt: skip
+# SDPA's math path (DeepSeek's latent attention: values narrower than queries) and the flash kernels' wrappers
+ATTENTION_COMPOSITES = ("aten::_scaled_dot_product_attention_math", "aten::scaled_dot_product_attention",
+                        *CATEGORIES["attention"])  # fmt: skip
 
 
-def _category(name: str, shapes: list, n_experts: int) -> str:
+def _category(event, n_experts: int) -> str:
+    """The event's category: that of its nearest ancestor which is a grouped GEMM or attention (their inner mm and
+    softmax belong to them), else its own op's."""
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name in CATEGORIES["grouped_gemm"] or parent.name in ATTENTION_COMPOSITES:
+            return "grouped_gemm" if parent.name in CATEGORIES["grouped_gemm"] else "attention"
+        parent = parent.cpu_parent
     for category, ops in CATEGORIES.items():
-        if name in ops:
+        if event.name in ops:
             return category
-    if name in ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul"):
+    if event.name in ATTENTION_COMPOSITES:
+        return "attention"
+    if event.name in ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul"):
         # the router's gate is the one (N, D) x (D, E) matmul (its backward: E on the inner side)
-        return "router" if any(n_experts in s for s in shapes if s) else "other_matmuls"
+        return "router" if any(n_experts in s for s in event.input_shapes if s) else "other_matmuls"
     return "other"
 
 
@@ -67,8 +82,8 @@ def step_breakdown(family: str, flavor: str, seq: int, batch: int) -> dict[str, 
         step()
         wall = time.perf_counter() - start
     seconds: dict[str, float] = defaultdict(float)
-    for event in prof.key_averages(group_by_input_shape=True):
-        seconds[_category(event.key, event.input_shapes, n_experts)] += event.self_cpu_time_total / 1e6
+    for event in prof.events():
+        seconds[_category(event, n_experts)] += event.self_cpu_time_total / 1e6
     total = sum(seconds.values())
     return {"step_s": round(wall, 3), **{k: round(v / total, 3) for k, v in sorted(seconds.items())}}
 

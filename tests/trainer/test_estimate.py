@@ -365,3 +365,22 @@ def test_mesh_dims_are_priced_on_the_network_only_when_their_groups_span_nodes()
     assert all(spans_nodes(dims, name, 8) for name in ("dp_shard", "dp_replicate", "dp", "world"))
     fsdp_in_node = ParallelDims(dp_replicate=4, dp_shard=2, cp=1, tp=4, pp=1, world_size=32)
     assert not spans_nodes(fsdp_in_node, "dp_shard", 8) and spans_nodes(fsdp_in_node, "dp_replicate", 8)
+
+
+@pytest.mark.parametrize("family, flavor", [("qwen3", "30B-A3B"), ("deepseek_v3", "16B")])
+def test_an_moe_flavor_holds_every_expert_and_counts_the_active_flops(family: str, flavor: str) -> None:
+    """FSDP over 8 ranks: the parameters per rank are all of the model's over 8 (every expert held), the model
+    FLOPs per token are the active parameters' (top_k of num_experts routed), and the step's executed FLOPs
+    include the experts' grouped GEMMs (about the model's FLOPs: no recomputation)."""
+    from models.registry import flops_per_token, job_model_args
+
+    model = ["--model.name", family, "--model.flavor", flavor, "--model.vocab_size", "2048"]
+    report = estimate_json("debug_model", 8, *model, "--activation_checkpoint.mode", "none", device="h100")
+    args = job_model_args(family, flavor, vocab_size=2048, max_seq_len=256)
+    params = report["ranks"][0]["memory_bytes"]["params"]
+    assert params == pytest.approx(args.parameter_count * 4 / 8, rel=0.02), (params, args.parameter_count)
+    tokens = 2 * 256  # per device: local batch 2 x seq 256
+    assert report["flops_per_step"] == pytest.approx(flops_per_token(family, args, 256) * tokens, rel=0.02)
+    executed = report["ranks"][0]["executed_flops_per_step"]
+    assert executed == pytest.approx(report["flops_per_step"], rel=0.1), executed  # the grouped GEMMs counted
+    assert args.active_parameter_count < args.parameter_count / 4  # the active share is what the FLOPs count
