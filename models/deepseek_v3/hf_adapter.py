@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from models.common.hf_names import HF_IGNORED_SUFFIXES, HFNames, layer_template
 from models.common.moe_args import MoEArgs
 
 from .args import DeepSeekV3ModelArgs, deepseek_v3_configs, parameter_shapes
@@ -51,43 +52,19 @@ _LAYER_NAMES = {
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
+_NAMES = HFNames("DeepSeek-V3", _LAYER_NAMES)
 # our stacked routed experts (E, H, D) / (E, D, H) <- HF's per-expert projection of that name
 _STACKED_NAMES = {"moe.experts.w1": "gate_proj", "moe.experts.w3": "up_proj", "moe.experts.w2": "down_proj"}
-_TOP_NAMES = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_TO_HF = {**_TOP_NAMES, **{f"layers.{{}}.{ours}": f"model.layers.{{}}.{hf}" for ours, hf in _LAYER_NAMES.items()}}
-_FROM_HF = {hf: ours for ours, hf in _TO_HF.items()}
-_LAYER = re.compile(r"^(model\.)?layers\.(\d+)\.(.+)$")
 _HF_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-# buffers some HF checkpoints carry; derived from the config, never weights
-HF_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-def _template(name: str) -> tuple[str, int | None]:
-    """`layers.3.x` -> (`layers.{}.x`, 3); other names unchanged."""
-    m = _LAYER.match(name)
-    if m is None:
-        return name, None
-    return f"{m.group(1) or ''}layers.{{}}.{m.group(3)}", int(m.group(2))
-
-
-def _mapped(name: str, table: dict[str, str], side: str) -> str:
-    template, layer = _template(name)
-    if template not in table:
-        raise KeyError(f"{name!r} is not a DeepSeek-V3 {side} parameter name (expected one of {sorted(table)})")
-    return table[template].format(layer) if layer is not None else table[template]
 
 
 def to_hf_name(fqn: str) -> str:
     """Our FQN (`layers.0.attention.wkv_a.weight`) -> HF's (`model.layers.0.self_attn.kv_a_proj_with_mqa.weight`);
     KeyError for the stacked experts, which are several HF tensors (`stacked_hf_names`)."""
-    template, layer = _template(fqn)
+    template, layer = layer_template(fqn)
     if template.removeprefix("layers.{}.") in _STACKED_NAMES:
         raise KeyError(f"{fqn!r} is the stack of one HF tensor per expert: see stacked_hf_names")
-    return _mapped(fqn, _TO_HF, "meshtrain")
+    return _NAMES.to_hf(fqn)
 
 
 def from_hf_name(name: str) -> str:
@@ -98,14 +75,14 @@ def from_hf_name(name: str) -> str:
     if expert is not None:
         ours = {proj: fqn for fqn, proj in _STACKED_NAMES.items()}[expert.group(3)]
         return f"layers.{expert.group(1)}.{ours}"
-    return _mapped(name, _FROM_HF, "Hugging Face")
+    return _NAMES.from_hf(name)
 
 
 def stacked_hf_names(fqn: str, args: DeepSeekV3ModelArgs) -> list[str] | None:
     """The HF names whose stack along a new dim 0 is our tensor `fqn`, in expert order: `layers.N.moe.experts.w1`
     (E, H, D) stacks `model.layers.N.mlp.experts.{e}.gate_proj.weight` for e < E (w3: up_proj, w2: down_proj).
     None for every tensor that maps one to one (`to_hf_name`)."""
-    template, layer = _template(fqn)
+    template, layer = layer_template(fqn)
     proj = _STACKED_NAMES.get(template.removeprefix("layers.{}."))
     if proj is None or layer is None:
         return None
@@ -114,7 +91,7 @@ def stacked_hf_names(fqn: str, args: DeepSeekV3ModelArgs) -> list[str] | None:
 
 def layer_of(fqn: str) -> int | None:
     """The block number of an FQN in either naming, None outside the blocks."""
-    return _template(fqn)[1]
+    return layer_template(fqn)[1]
 
 
 # ------------------------------------------------------------------------------ config.json

@@ -16,10 +16,11 @@ channels the same way within each head, so converting is a fixed row permutation
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any
 
 import torch
+
+from models.common.hf_names import HF_IGNORED_SUFFIXES, HFNames, layer_template
 
 from .args import RoPEScalingArgs, TransformerModelArgs, llama3_configs, parameter_shapes
 
@@ -35,46 +36,22 @@ _LAYER_NAMES = {
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
-_TOP_NAMES = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_TO_HF = {**_TOP_NAMES, **{f"layers.{{}}.{ours}": f"model.layers.{{}}.{hf}" for ours, hf in _LAYER_NAMES.items()}}
-_FROM_HF = {hf: ours for ours, hf in _TO_HF.items()}
-_LAYER = re.compile(r"^(model\.)?layers\.(\d+)\.(.+)$")
-# buffers some older HF checkpoints carry; derived from the config, never weights
-HF_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-def _template(name: str) -> tuple[str, int | None]:
-    """`layers.3.x` -> (`layers.{}.x`, 3); other names unchanged."""
-    m = _LAYER.match(name)
-    if m is None:
-        return name, None
-    return f"{m.group(1) or ''}layers.{{}}.{m.group(3)}", int(m.group(2))
-
-
-def _mapped(name: str, table: dict[str, str], side: str) -> str:
-    template, layer = _template(name)
-    if template not in table:
-        raise KeyError(f"{name!r} is not a Llama 3 {side} parameter name (expected one of {sorted(table)})")
-    return table[template].format(layer) if layer is not None else table[template]
+_NAMES = HFNames("Llama 3", _LAYER_NAMES)
 
 
 def to_hf_name(fqn: str) -> str:
     """Our FQN (`layers.0.attention.wq.weight`) -> HF's (`model.layers.0.self_attn.q_proj.weight`)."""
-    return _mapped(fqn, _TO_HF, "meshtrain")
+    return _NAMES.to_hf(fqn)
 
 
 def from_hf_name(name: str) -> str:
     """HF's parameter name -> our FQN (KeyError naming the expected names for anything else)."""
-    return _mapped(name, _FROM_HF, "Hugging Face")
+    return _NAMES.from_hf(name)
 
 
 def layer_of(fqn: str) -> int | None:
     """The block number of an FQN in either naming, None outside the blocks."""
-    return _template(fqn)[1]
+    return layer_template(fqn)[1]
 
 
 # ------------------------------------------------------------------------- rotary permutation

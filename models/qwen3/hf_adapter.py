@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from models.common.hf_names import HF_IGNORED_SUFFIXES, HFNames, layer_template
 from models.common.moe_args import MoEArgs
 
 from .args import Qwen3ModelArgs, is_routing_bias, parameter_shapes, qwen3_configs
@@ -44,35 +45,11 @@ _LAYER_NAMES = {
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
-_TOP_NAMES = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
+_NAMES = HFNames("Qwen3", _LAYER_NAMES)
 # our stacked expert weight (below `layers.N.moe.experts.`) <- HF's per-expert projection
 _EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-_TO_HF = {**_TOP_NAMES, **{f"layers.{{}}.{ours}": f"model.layers.{{}}.{hf}" for ours, hf in _LAYER_NAMES.items()}}
-_FROM_HF = {hf: ours for ours, hf in _TO_HF.items()}
-_LAYER = re.compile(r"^(model\.)?layers\.(\d+)\.(.+)$")
 _STACKED = re.compile(r"^layers\.(\d+)\.moe\.experts\.(w[123])$")
 _HF_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-# buffers some older HF checkpoints carry; derived from the config, never weights
-HF_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-def _template(name: str) -> tuple[str, int | None]:
-    """`layers.3.x` -> (`layers.{}.x`, 3); other names unchanged."""
-    m = _LAYER.match(name)
-    if m is None:
-        return name, None
-    return f"{m.group(1) or ''}layers.{{}}.{m.group(3)}", int(m.group(2))
-
-
-def _mapped(name: str, table: dict[str, str], side: str) -> str:
-    template, layer = _template(name)
-    if template not in table:
-        raise KeyError(f"{name!r} is not a Qwen3 {side} parameter name (expected one of {sorted(table)})")
-    return table[template].format(layer) if layer is not None else table[template]
 
 
 def to_hf_name(fqn: str) -> str:
@@ -80,7 +57,7 @@ def to_hf_name(fqn: str) -> str:
     KeyError for a stacked expert weight, whose HF names `stacked_hf_names` gives."""
     if _STACKED.match(fqn):
         raise KeyError(f"{fqn!r} is a stack of HF's per-expert tensors: its names are stacked_hf_names({fqn!r})")
-    return _mapped(fqn, _TO_HF, "meshtrain")
+    return _NAMES.to_hf(fqn)
 
 
 def from_hf_name(name: str) -> str:
@@ -90,7 +67,7 @@ def from_hf_name(name: str) -> str:
     if m is not None:
         ours = {hf: w for w, hf in _EXPERT_NAMES.items()}[m.group(3)]
         return f"layers.{m.group(1)}.moe.experts.{ours}"
-    return _mapped(name, _FROM_HF, "Hugging Face")
+    return _NAMES.from_hf(name)
 
 
 def stacked_hf_names(fqn: str, args: Qwen3ModelArgs) -> list[str] | None:
@@ -113,7 +90,7 @@ def not_in_hf(fqn: str, args: Qwen3ModelArgs) -> bool:
 
 def layer_of(fqn: str) -> int | None:
     """The block number of an FQN in either naming, None outside the blocks."""
-    return _template(fqn)[1]
+    return layer_template(fqn)[1]
 
 
 # ------------------------------------------------------------------------- rotary permutation
