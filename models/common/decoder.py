@@ -17,6 +17,8 @@ from typing import Any, Protocol, cast
 import torch
 from torch import nn
 
+from .feed_forward import FeedForward
+from .moe import MoE
 from .rms_norm import RMSNorm
 
 
@@ -37,6 +39,46 @@ class Block(Protocol):
 
     def __call__(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor: ...
     def init_weights(self, buffer_device: torch.device | None = None) -> None: ...
+
+
+class PreNormBlock(nn.Module):
+    """A pre-norm block: h = x + attention(norm(x)), then h + ffn(norm(h)), where the FFN is a dense SwiGLU
+    (`feed_forward`) or a mixture of experts (`moe`, with `moe_enabled`). Qwen3 and DeepSeek-V3 blocks are this
+    with their attention; `weight_init_std` scales the residual branches' output projections (torchtitan's)."""
+
+    def __init__(
+        self, attention: nn.Module, ffn: FeedForward | MoE, dim: int, norm_eps: float, init_std: float
+    ) -> None:
+        super().__init__()
+        self.attention = attention
+        self.moe_enabled = isinstance(ffn, MoE)
+        self.moe: MoE | None = ffn if isinstance(ffn, MoE) else None
+        self.feed_forward: FeedForward | None = ffn if isinstance(ffn, FeedForward) else None
+        self.attention_norm = RMSNorm(dim, eps=norm_eps)
+        self.ffn_norm = RMSNorm(dim, eps=norm_eps)
+        self.weight_init_std = init_std
+
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        """torchtitan's: norms to ones, then attention and the FFN (or the MoE and its buffers) at this depth's std."""
+        for norm in (self.attention_norm, self.ffn_norm):
+            norm.reset_parameters()
+        self.attention.init_weights(self.weight_init_std)  # type: ignore[operator]
+        if self.moe is not None:
+            self.moe.init_weights(self.weight_init_std, buffer_device)
+        if self.feed_forward is not None:
+            self.feed_forward.init_weights(self.weight_init_std)
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), freqs_cis)
+        ffn = self.moe if self.moe is not None else self.feed_forward
+        assert ffn is not None  # exactly one of them is built
+        return h + ffn(self.ffn_norm(h))
+
+
+def depth_init_std(layer_id: int, n_layers: int, depth_init: bool = True) -> float:
+    """The std of a block's residual-branch output projections, scaled down with depth (GPT-2 / torchtitan's
+    depth_init: by the block's depth, else by the number of blocks)."""
+    return 0.02 / (2 * (layer_id + 1 if depth_init else n_layers)) ** 0.5
 
 
 class Decoder(nn.Module):

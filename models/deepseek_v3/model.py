@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.common.attention import causal_attention, leading_positions
-from models.common.decoder import Decoder
+from models.common.decoder import Decoder, PreNormBlock, depth_init_std
 from models.common.feed_forward import FeedForward
 from models.common.moe import MoE
 from models.common.rms_norm import RMSNorm
@@ -123,42 +123,19 @@ class Attention(nn.Module):
         return self.wo(out)
 
 
-class TransformerBlock(nn.Module):
-    """Pre-norm block: x + attention(norm(x)), then h + ffn(norm(h)), where ffn is the dense SwiGLU
-    `feed_forward` in the first n_dense_layers blocks and the mixture of experts `moe` after them."""
-
-    def __init__(self, layer_id: int, args: DeepSeekV3ModelArgs) -> None:
-        super().__init__()
-        self.attention = Attention(args)
-        self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.moe_enabled = layer_id >= args.n_dense_layers
-        self.moe: MoE | None = MoE(args.moe_layer_args, args.dim, args.moe_inter_dim) if self.moe_enabled else None
-        self.feed_forward: FeedForward | None = None if self.moe_enabled else FeedForward(args.dim, args.inter_dim)
-        # residual-branch outputs scaled down with depth (torchtitan's depth init)
-        self.weight_init_std = 0.02 / (2 * (layer_id + 1)) ** 0.5
-
-    def init_weights(self, buffer_device: torch.device | None = None) -> None:
-        for norm in (self.attention_norm, self.ffn_norm):
-            norm.reset_parameters()
-        self.attention.init_weights(self.weight_init_std)
-        if self.moe is not None:
-            self.moe.init_weights(self.weight_init_std, buffer_device)
-        if self.feed_forward is not None:
-            self.feed_forward.init_weights(self.weight_init_std)
-
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), freqs_cis)
-        ffn = self.moe if self.moe is not None else self.feed_forward
-        assert ffn is not None
-        return h + ffn(self.ffn_norm(h))
+def transformer_block(layer_id: int, args: DeepSeekV3ModelArgs) -> PreNormBlock:
+    """DeepSeek-V3's block: latent attention, then the dense SwiGLU `feed_forward` in the first n_dense_layers
+    blocks and the mixture of experts `moe` after them."""
+    moe = layer_id >= args.n_dense_layers
+    ffn = MoE(args.moe_layer_args, args.dim, args.moe_inter_dim) if moe else FeedForward(args.dim, args.inter_dim)
+    return PreNormBlock(Attention(args), ffn, args.dim, args.norm_eps, depth_init_std(layer_id, args.n_layers))
 
 
 class DeepSeekV3Model(Decoder):
     """DeepSeek-V3 decoder: tokens (B, T) -> logits (B, T, vocab_size) (the frame: models/common/decoder.py)."""
 
     def __init__(self, args: DeepSeekV3ModelArgs) -> None:
-        super().__init__(args, [TransformerBlock(i, args) for i in range(args.n_layers)])
+        super().__init__(args, [transformer_block(i, args) for i in range(args.n_layers)])
 
     def rotary_table(self) -> torch.Tensor:
         """The rotations of the qk_rope_head_dim rotary channels, YaRN-scaled beyond the original context."""
