@@ -8,7 +8,9 @@ norm and output, then the root; or, for pure data parallelism, `replicate` (DDP)
 
 MoE blocks (a `moe` submodule: models/common/moe.py) get `apply_moe_tp` under TP: the router replicated, the
 experts sharded on their hidden dim (parallelisms/tensor_parallel/moe_styles.py), as torchtitan does while expert
-parallelism is off.
+parallelism is off. Under expert parallelism `apply_ep` shards the routed experts over the ep mesh first
+(parallelisms/expert_parallel/), the TP plan then leaves them alone, and FSDP shards them over the data-parallel
+ranks outside ep (`dp_shard_mod_ep`) in a group of their own.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from torch import nn
 from parallelisms.activation_checkpoint import ACMode, apply_ac
 from parallelisms.context_parallel import RingAttention, RotateMethod, SequenceSharding
 from parallelisms.data_parallel import replicate
-from parallelisms.dtensor import DeviceMesh, Partial, Replicate, Shard
+from parallelisms.dtensor import DeviceMesh, DTensor, Partial, Replicate, Shard
+from parallelisms.expert_parallel import ExpertParallel
 from parallelisms.fsdp import MixedPrecisionPolicy, fully_shard
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.tensor_parallel import (
@@ -59,6 +62,8 @@ def parallelize_decoder(
     `block_tp_plan` shards one block under TP. `compile_backend` (e.g. "inductor") compiles each block; None leaves
     the model eager, and so does TP and CP (`compile_supported`). `ac_selective_option` / `ac_early_stop`: see
     `apply_ac`. `cp_rotate_method`: how ring attention moves K/V under context parallelism."""
+    if parallel_dims.ep_enabled:
+        apply_ep(model, parallel_dims, world_mesh)
     if parallel_dims.tp_enabled:
         apply_tp(model, world_mesh["tp"], block_tp_plan, loss_parallel=loss_parallel)
     if parallel_dims.cp_enabled:
@@ -69,7 +74,8 @@ def parallelize_decoder(
         apply_compile(model, compile_backend)
     dp_mesh = data_parallel_mesh(parallel_dims, world_mesh)
     if dp_mesh is not None:
-        apply_fsdp(model, dp_mesh, mp_policy or MixedPrecisionPolicy(), reshard_after_forward)
+        experts = experts_fsdp(parallel_dims, world_mesh)
+        apply_fsdp(model, dp_mesh, mp_policy or MixedPrecisionPolicy(), reshard_after_forward, experts=experts)
     elif parallel_dims.dp_replicate_enabled:  # pure data parallelism is DDP: whole replicas, bucketed all-reduces
         replicate(model, world_mesh["dp_replicate"])
     return model
@@ -115,8 +121,9 @@ def apply_moe_tp(block: nn.Module, tp_mesh: DeviceMesh) -> None:
             desired_output_layouts=(Shard(1),),
         ),
         "moe.router.gate": NoParallel(local_output_grad_placements=score_grad),
-        "moe.experts": GroupedExpertsParallel(),
     }
+    if not isinstance(moe.experts.w1, DTensor):  # expert parallelism shards them otherwise (apply_ep)
+        plan["moe.experts"] = GroupedExpertsParallel()
     if moe.shared_experts is not None:
         plan |= {
             "moe.shared_experts.w1": ColwiseParallel(),
@@ -124,6 +131,28 @@ def apply_moe_tp(block: nn.Module, tp_mesh: DeviceMesh) -> None:
             "moe.shared_experts.w3": ColwiseParallel(),
         }
     parallelize_module(block, tp_mesh, plan)
+
+
+def apply_ep(model: nn.Module, parallel_dims: ParallelDims, world_mesh: DeviceMesh) -> None:
+    """Expert parallelism of every MoE block's routed experts (parallelisms/expert_parallel/): over the "ep" mesh;
+    with etp = tp over ("ep", "tp") (each expert also sharded on its hidden dim); with etp = 1 under TP, ep spans
+    the tp ranks, which split the routed tokens between them. Before TP: `apply_moe_tp` leaves these experts be."""
+    tp_enabled = parallel_dims.tp_enabled
+    mesh = world_mesh["ep", "tp"] if tp_enabled and parallel_dims.etp_enabled else world_mesh["ep"]
+    token_split = world_mesh["tp"] if tp_enabled and not parallel_dims.etp_enabled else None
+    for block in model.layers.values():  # type: ignore[operator]
+        moe = getattr(block, "moe", None)
+        if moe is not None:
+            ExpertParallel(token_split_mesh=token_split).apply(moe.experts, mesh)
+
+
+def experts_fsdp(parallel_dims: ParallelDims, world_mesh: DeviceMesh) -> tuple[DeviceMesh, int] | None:
+    """Under expert parallelism, the mesh FSDP shards the routed experts over (the data-parallel ranks outside ep:
+    `dp_shard_mod_ep`, with dp_replicate for HSDP) and what their gradients are divided by; None without EP."""
+    if not parallel_dims.ep_enabled:
+        return None
+    names = ("dp_replicate", "dp_shard_mod_ep") if parallel_dims.dp_replicate_enabled else ("dp_shard_mod_ep",)
+    return world_mesh[names], parallel_dims.expert_gradient_divide_factor
 
 
 def data_parallel_mesh(parallel_dims: ParallelDims, world_mesh: DeviceMesh) -> DeviceMesh | None:
@@ -186,16 +215,26 @@ def apply_fsdp(
     dp_mesh: DeviceMesh,
     mp_policy: MixedPrecisionPolicy,
     reshard_after_forward: bool,
+    *,
+    experts: tuple[DeviceMesh, int] | None = None,
 ) -> None:
     """fully_shard each block, the embeddings, [norm, output] as one group, then the root (as
     torchtitan). Neither [norm, output] nor the last block reshard after forward: backward needs
     them at once. Tied embeddings put [embeddings, norm, output] in one group: a parameter lives in
     exactly one group, and this one is used first and last in forward (so it stays unsharded from
-    the embedding lookup to the output's backward, which is when the whole group's grads are in)."""
+    the embedding lookup to the output's backward, which is when the whole group's grads are in).
+    `experts` (expert parallelism: `experts_fsdp`): each MoE block's routed experts first get a group of their own
+    on that mesh, their gradients divided by that factor."""
     blocks = list(model.layers.values())  # type: ignore[operator]
     for i, block in enumerate(blocks):
         last = i == len(blocks) - 1
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward and not last)
+        reshard = reshard_after_forward and not last
+        moe = getattr(block, "moe", None)
+        if experts is not None and moe is not None:
+            experts_mesh, divide_factor = experts
+            fully_shard(moe.experts, mesh=experts_mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
+            moe.experts.set_gradient_divide_factor(divide_factor)
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
     # a pipeline part may lack the embedding or the head (models/common/pipeline_split.py)
     embeddings = cast(nn.Module | None, model.tok_embeddings)
     head = [cast(nn.Module, m) for m in (model.norm, model.output) if m is not None]

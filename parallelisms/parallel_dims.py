@@ -13,6 +13,20 @@ Each is registered when at least one of its dims exists, even a single one, so
 `world_mesh["dp_shard_cp"]` resolves the same way whether or not cp is enabled. A world where every
 degree is 1 (one rank) gets a 1-D mesh named "dp_shard" of size 1, and the three flattened names on
 top of it, so single-process runs take the same code path as distributed ones.
+
+Expert parallelism (torchtitan v0.2's "dp2ep") borrows its ranks from the others: `ep` is a slice of
+dp_shard x cp, and of tp too when the experts are not also tensor-parallel (`etp = 1`; with `etp = tp` the
+experts are sharded over tp as well, and ep leaves tp alone). dp_shard is then cut in two mesh dims,
+
+    dp_shard = dp_shard_mod_ep x dp_shard_in_ep     dp_shard_in_ep: the dp_shard ranks inside ep
+
+and one more flattened submesh is registered:
+
+    "ep"           dp_shard_in_ep x cp (x tp when etp = 1)    the all-to-all of routed tokens
+
+Every other flattened name spans the same ranks as without EP. FSDP shards the routed experts over
+`dp_shard_mod_ep` (kept as a mesh dim even of size 1, so that FSDP handles the experts' mixed precision
+and gradient reduction as everyone else's; with dp_replicate it is HSDP over both).
 """
 
 from __future__ import annotations
@@ -31,13 +45,21 @@ CONFIG_KEYS = {
     "dp_shard": "data_parallel_shard_degree",
     "cp": "context_parallel_degree",
     "tp": "tensor_parallel_degree",
+    "ep": "expert_parallel_degree",
+    "etp": "expert_tensor_parallel_degree",
 }
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+EP_MESH_ORDER = ("pp", "dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep", "cp", "tp")
 FLATTENED = {
     "dp": ("dp_replicate", "dp_shard"),
     "dp_shard_cp": ("dp_shard", "cp"),
     "dp_cp": ("dp_replicate", "dp_shard", "cp"),
 }
+
+
+def _split_dp_shard(dims: tuple[str, ...]) -> tuple[str, ...]:
+    """A flattened name's dims with dp_shard cut in its two EP dims."""
+    return tuple(d for name in dims for d in (("dp_shard_mod_ep", "dp_shard_in_ep") if name == "dp_shard" else (name,)))
 
 
 def sequence_divisor(tp: int, cp: int) -> int:
@@ -56,9 +78,12 @@ class ParallelDims:
     tp: int
     pp: int
     world_size: int
+    ep: int = 1
+    etp: int = 1
 
     def __post_init__(self) -> None:
         self._validate()
+        self._validate_ep()
 
     def _validate(self) -> None:
         if self.world_size < 1:
@@ -93,16 +118,71 @@ class ParallelDims:
             )
             raise ValueError(f"{product} = {total} != world_size({self.world_size}); {fix}")
 
+    def _validate_ep(self) -> None:
+        """torchtitan v0.2's constraints: etp is 1 or tp; ep divides the ranks it borrows and spans whole cp
+        (and, with etp = 1, whole tp) groups."""
+        for name in ("ep", "etp"):
+            if getattr(self, name) < 1:
+                raise ValueError(
+                    f"{name}_degree({getattr(self, name)}) must be >= 1; set parallelism.{CONFIG_KEYS[name]}=1"
+                )
+        if self.ep == 1:
+            if self.etp != 1:
+                raise ValueError(
+                    f"expert_tensor_parallel_degree({self.etp}) without expert parallelism: it says how the experts "
+                    f"of an expert-parallel layout are tensor-parallel; set "
+                    f"parallelism.expert_tensor_parallel_degree=1 (without EP the experts follow "
+                    f"tensor_parallel_degree)"
+                )
+            return
+        if self.etp not in (1, self.tp):
+            raise ValueError(
+                f"expert_tensor_parallel_degree({self.etp}) must be 1 (expert parallelism borrows the tp ranks too) "
+                f"or tensor_parallel_degree({self.tp}) (the experts are tensor-parallel as the rest); set "
+                f"parallelism.expert_tensor_parallel_degree to 1 or {self.tp}"
+            )
+        borrowed = {"dp_shard": self.dp_shard, "cp": self.cp} | ({"tp": self.tp} if self.etp == 1 else {})
+        pool = math.prod(borrowed.values())
+        whole = math.prod(d for n, d in borrowed.items() if n != "dp_shard")
+        terms = " * ".join(f"{n}_degree({d})" for n, d in borrowed.items())
+        if pool % self.ep or self.ep % whole:
+            inner = " * ".join(f"{n}_degree({d})" for n, d in borrowed.items() if n != "dp_shard")
+            raise ValueError(
+                f"expert_parallel_degree({self.ep}) must divide {terms} = {pool}, the ranks expert parallelism "
+                f"borrows{f', and be a multiple of {inner} = {whole}' if whole > 1 else ''}; pick one of "
+                f"{[e for e in range(2, pool + 1) if pool % e == 0 and e % whole == 0]} for "
+                f"parallelism.expert_parallel_degree, or 1"
+            )
+
     # ------------------------------------------------------------------------------------ mesh
+    @property
+    def dp_shard_in_ep(self) -> int:
+        """The dp_shard ranks inside one ep group (1 without EP)."""
+        return self.ep // (self.cp * (self.tp if self.etp == 1 else 1)) if self.ep > 1 else 1
+
+    @property
+    def dp_shard_mod_ep(self) -> int:
+        """dp_shard / dp_shard_in_ep: the ranks that FSDP shards the routed experts over."""
+        return self.dp_shard // self.dp_shard_in_ep
+
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """World mesh over the dims of degree > 1 (see the module docstring), with the flattened
-        "dp", "dp_shard_cp" and "dp_cp" submeshes registered on it. Collective: call on every rank."""
+        "dp", "dp_shard_cp", "dp_cp" (and under EP "ep") submeshes registered on it. Collective: call
+        on every rank."""
         from parallelisms.dtensor import init_device_mesh
 
-        names = [name for name in MESH_ORDER if getattr(self, name) > 1] or ["dp_shard"]
-        shape = [getattr(self, name) for name in names]
-        world_mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
-        for flat_name, dims in FLATTENED.items():
+        if self.ep_enabled:
+            degrees = {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard_mod_ep": self.dp_shard_mod_ep,
+                       "dp_shard_in_ep": self.dp_shard_in_ep, "cp": self.cp, "tp": self.tp}  # fmt: skip
+            names = [n for n in EP_MESH_ORDER if degrees[n] > 1 or n == "dp_shard_mod_ep"]
+            flattened = {flat: _split_dp_shard(dims) for flat, dims in FLATTENED.items()}
+            flattened["ep"] = ("dp_shard_in_ep", "cp", "tp") if self.etp == 1 else ("dp_shard_in_ep", "cp")
+        else:
+            degrees = {n: getattr(self, n) for n in MESH_ORDER}
+            names = [n for n in MESH_ORDER if degrees[n] > 1] or ["dp_shard"]
+            flattened = FLATTENED
+        world_mesh = init_device_mesh(device_type, [degrees[n] for n in names], mesh_dim_names=names)
+        for flat_name, dims in flattened.items():
             present = tuple(d for d in dims if d in names)
             if present:
                 world_mesh[present].flatten(flat_name)
@@ -146,6 +226,21 @@ class ParallelDims:
     def non_data_parallel_size(self) -> int:
         """Ranks that see the same data: cp * tp * pp."""
         return self.cp * self.tp * self.pp
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def etp_enabled(self) -> bool:
+        return self.etp > 1
+
+    @property
+    def expert_gradient_divide_factor(self) -> int:
+        """What the routed experts' gradients are divided by: the data-parallel ranks, dp_replicate x dp_shard x cp,
+        as every other gradient (FSDP shards the experts over fewer ranks, dp_shard_mod_ep; the all-to-all has
+        already summed the other data ranks' contributions into each expert's gradient)."""
+        return self.dp_replicate * self.dp_shard * self.cp
 
     @property
     def seq_len_divisor(self) -> int:

@@ -35,7 +35,7 @@ from parallelisms.tensor_parallel import loss_parallel
 from parallelisms.tensor_parallel.partial_grads import reduce_partial_grads
 
 from .config.pipeline_setup import PipelineSetup
-from .step import MicroBatches, StepResult
+from .step import MicroBatches, StepResult, total_grad_norm
 from .token_loss import IGNORE_INDEX
 
 # The last stage's copy of a tied embedding (1B flavor) is saved and stepped under the embedding's name.
@@ -232,10 +232,7 @@ def _clip_over_stages(pipeline: Pipeline, max_norm: float) -> torch.Tensor:
     with_grads = [p for p in pipeline.model.parameters() if p.grad is not None]
     reduce_partial_grads(with_grads)  # once, coalesced (partial_grads.py)
     grads = [p.grad for p in with_grads if p.grad is not None and id(p) not in twins]
-    local = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else torch.zeros(())
-    if isinstance(local, DTensor):
-        local = local.full_tensor()
-    squared = local.pow(2)
+    squared = total_grad_norm(grads).pow(2)
     dist.all_reduce(squared, group=pipeline.pp_group)
     norm = squared.sqrt()
     if max_norm > 0 and grads:

@@ -166,10 +166,6 @@ _UNAVAILABLE: list[tuple[str, Callable[[Any], bool], str]] = [
     ("optimizer.early_step_in_backward", bool, "the optimizer steps after the backward only; set it to false"),
     ("training.enable_cpu_offload", bool, "FSDP CPU offload is not implemented; set it to false"),
     ("parallelism.enable_compiled_autograd", bool, "compiled autograd is not supported; set it to false"),
-    ("parallelism.expert_parallel_degree", lambda v: v != 1, "expert parallelism is not implemented yet: MoE "
-     "models train with their experts sharded by FSDP and TP; set it to 1"),
-    ("parallelism.expert_tensor_parallel_degree", lambda v: v != 1, "expert parallelism is not implemented yet; "
-     "set it to 1"),
     ("checkpoint.initial_load_in_hf_quantized", bool, "quantized HF weights cannot be loaded; set it to false"),
     ("activation_checkpoint.mode", lambda v: v == "memory_budget",
      "memory_budget needs torch.compile's min-cut partitioner, which cannot trace meshtrain's DTensor; use "
@@ -184,7 +180,7 @@ def build_parallel_dims(p: Parallelism, world_size: int) -> ParallelDims:
     return ParallelDims(
         dp_replicate=p.data_parallel_replicate_degree, dp_shard=p.data_parallel_shard_degree,
         cp=p.context_parallel_degree, tp=p.tensor_parallel_degree, pp=p.pipeline_parallel_degree,
-        world_size=world_size,
+        world_size=world_size, ep=p.expert_parallel_degree, etp=p.expert_tensor_parallel_degree,
     )  # fmt: skip
 
 
@@ -405,15 +401,40 @@ def _check_data(cfg: JobConfig, *, local_files: bool = True) -> None:
 def _check_tp_divides_model(cfg: JobConfig) -> None:
     from models.registry import flavor_args, tensor_parallel_dims  # dataclasses only, no torch
 
-    tp = cfg.parallelism.tensor_parallel_degree
+    p = cfg.parallelism
+    tp = p.tensor_parallel_degree
     args = flavor_args(cfg.model.name, cfg.model.flavor)
+    _check_ep_fits_model(cfg, args)
     for what, (n, why) in tensor_parallel_dims(args).items():
+        if what == "moe_inter_dim" and p.expert_parallel_degree > 1 and p.expert_tensor_parallel_degree == 1:
+            continue  # expert parallelism borrows the tp ranks: each holds whole experts
         if n % tp:
             raise ValueError(
                 f"parallelism.tensor_parallel_degree({tp}) must divide the {cfg.model.flavor} flavor's {what}({n}): "
                 f"{why}; pick a divisor of {n}"
             )
     _check_sequence_split("training.seq_len", cfg.training.seq_len, cfg)
+
+
+def _check_ep_fits_model(cfg: JobConfig, args: object) -> None:
+    """Expert parallelism needs MoE layers, and experts that its ranks share out evenly."""
+    from models.registry import moe_args_of  # dataclasses only, no torch
+
+    ep = cfg.parallelism.expert_parallel_degree
+    if ep == 1:
+        return
+    moe = moe_args_of(args)
+    if moe is None:
+        raise ValueError(
+            f"parallelism.expert_parallel_degree({ep}): the {cfg.model.name} {cfg.model.flavor} flavor has no MoE "
+            f"layers, so there are no experts to shard; set it to 1"
+        )
+    if moe.num_experts % ep:
+        divisors = [d for d in range(1, moe.num_experts + 1) if moe.num_experts % d == 0]
+        raise ValueError(
+            f"parallelism.expert_parallel_degree({ep}) must divide the {cfg.model.flavor} flavor's num_experts"
+            f"({moe.num_experts}): each rank holds an equal share of the experts; pick one of {divisors}"
+        )
 
 
 def _check_sequence_split(key: str, seq_len: int, cfg: JobConfig) -> None:

@@ -93,14 +93,30 @@ def train_step(
     )  # fmt: skip
     params = [p for p in model.parameters() if p.grad is not None]
     reduce_partial_grads(params)  # once, coalesced: left Partial, clipping and AdamW would each all-reduce them
-    clip = max_norm if max_norm > 0 else float("inf")
-    norm = torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
-    grad_norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+    grad_norm = total_grad_norm([p.grad for p in params if p.grad is not None])
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, grad_norm, foreach=True)
     if skip_nonfinite and not math.isfinite(grad_norm.item()):
         optimizer.zero_grad(set_to_none=True)
         return StepResult(total, grad_norm, skipped=True)
     optimizer.step()
     return StepResult(total, grad_norm, skipped=False)
+
+
+def total_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of all `grads` (0-d, plain). DTensor gradients may lie on several meshes (expert parallelism puts
+    the routed experts on their own), which one norm cannot mix: one norm per mesh, each completed over its ranks,
+    then combined. Every rank groups the same parameters alike, so the collectives match."""
+    by_mesh: dict[DeviceMesh | None, list[torch.Tensor]] = {}
+    for g in grads:
+        by_mesh.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+    norms = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(group, foreach=True)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if not norms:
+        return torch.zeros(())
+    return norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
 
 
 def accumulate_gradients(

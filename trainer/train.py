@@ -356,7 +356,7 @@ def set_collective_timeout(runtime: Runtime, seconds: int) -> None:
 
     mesh = runtime.world_mesh
     groups = [None, *mesh.get_all_groups()]
-    for name in FLATTENED:
+    for name in (*FLATTENED, "ep"):
         try:
             groups.append(mesh[name].get_group())
         except (KeyError, ValueError):  # not registered: none of its dims is in this layout

@@ -209,6 +209,18 @@ def all_to_all(
     return recv.view(out_shape).movedim(0, src_dim).contiguous()
 
 
+def all_to_all_rows(
+    local: torch.Tensor, output_splits: list[int], input_splits: list[int], group: ProcessGroup
+) -> torch.Tensor:
+    """Send rows [sum(input_splits[:k]), +input_splits[k]) of `local` to group rank k and return the rows every
+    rank sent here, rank-major (`output_splits[k]` of them from rank k): uneven splits, nothing padded. A
+    functional collective (`_c10d_functional.all_to_all_single` and its wait), so CommDebugMode counts it and
+    torch.compile can trace it. Expert parallelism's token dispatch and combine."""
+    local = wait_all(local).contiguous()
+    out = torch.ops._c10d_functional.all_to_all_single(local, output_splits, input_splits, group.group_name)
+    return torch.ops._c10d_functional.wait_tensor(out)
+
+
 def broadcast(tensor: torch.Tensor, group: ProcessGroup, group_src: int) -> torch.Tensor:
     """Overwrite `tensor` (in place, contiguous) with group rank `group_src`'s copy."""
     tensor = wait_all(tensor)  # a collective reads its input now: an async result must have landed

@@ -103,12 +103,12 @@ def build_plan(op: OpOverload, key_args: tuple, key_kwargs: dict, cache: PlanCac
     """
     call = OpCall(op, key_args, key_kwargs)
     specs = call.specs
-    if op not in STRIDED_RULES and any(is_strided(s.placements) for s in specs):
-        return _strided_plan(call, cache, fallback)
     groups = _check_same_mesh(op, call)
-    if groups is not None:  # a foreach op over several meshes: once per mesh
+    if groups is not None:  # a foreach op over several meshes: once per mesh (each then plans its own placements)
         run = functools.partial(foreach_ops.run_per_mesh, op, groups)
         return _decomposition_plan(call, run, f"lists on {len(groups)} meshes: one call per mesh")
+    if op not in STRIDED_RULES and any(is_strided(s.placements) for s in specs):
+        return _strided_plan(call, cache, fallback)
     rule = RULES.get(op)
     if rule is None:
         decomposition = find_decomposition(op)

@@ -58,6 +58,7 @@ class FlatBuffers:
         self._byte_offsets: list[int] = []  # byte mode: each slot's offset in bytes
         self._byte_slots: list[int] = []  # and its size in bytes
         self._byte_dtype: torch.dtype | None = None  # the gather dtype they were laid out for
+        self.gradient_divide_factor: float | None = None  # None: average over the mesh (set_gradient_divide_factor)
 
     def use_blocks(self, k: int) -> None:
         """Gather post-forward shards over blocks of k ranks (creates the block groups on the root mesh
@@ -186,6 +187,8 @@ class FlatBuffers:
         reduced = in_flight.wait()
         if self.mesh.ndim > 1:  # HSDP: every replica of this shard averages it with the others
             reduced = collectives.all_reduce(reduced, "avg", self.mesh.get_group(0), self.mesh.size(0))
+        if self.gradient_divide_factor is not None:  # the sum over the mesh / the factor, not / the mesh's size
+            reduced = reduced * (self.mesh.size() / self.gradient_divide_factor)
         offset = 0
         for p in params:
             p.accumulate_sharded_grad(reduced[offset : offset + p.local_numel])

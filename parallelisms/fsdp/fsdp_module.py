@@ -69,6 +69,14 @@ class FSDPModule:
             member._expect(TrainingState.IDLE, "finish_backward")
         root._end_of_backward()
 
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide this module's reduced gradients by `factor` instead of averaging them over the mesh (torch's
+        name): expert parallelism shards its experts over fewer ranks than the data-parallel ones whose
+        contributions each expert's gradient already sums (parallel_dims.py: expert_gradient_divide_factor)."""
+        if not factor > 0:
+            raise ValueError(f"set_gradient_divide_factor({factor!r}): the factor must be > 0")
+        self._fsdp_state.group.buffers.gradient_divide_factor = float(factor)
+
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """All-gather these modules' parameters in flight when this one's forward starts (instead
         of the next module in the recorded forward order)."""

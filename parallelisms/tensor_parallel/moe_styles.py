@@ -44,13 +44,21 @@ def partial_grad(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     return DTensor.from_local(x, mesh, (Replicate(),), run_check=False).to_local(grad_placements=(Partial(),))
 
 
-def _replicate_params(module: nn.Module, mesh: DeviceMesh, placements: dict[str, Placement], src: int | None) -> None:
+def distribute_params(
+    module: nn.Module, mesh: DeviceMesh, placements: dict[str, tuple[Placement, ...]], src: int | None
+) -> None:
+    """`module`'s own parameters as DTensors on `mesh` with `placements[name]` (one per mesh dim); parameters that
+    are DTensors already must have them."""
     for key, param in list(module.named_parameters(recurse=False)):
         if isinstance(param, DTensor):
-            check_param_layout(key, param, mesh, [placements[key]])
+            check_param_layout(key, param, mesh, list(placements[key]))
             continue
-        sharded = distribute_tensor(param.data, mesh, [placements[key]], src_data_rank=src)
+        sharded = distribute_tensor(param.data, mesh, list(placements[key]), src_data_rank=src)
         module.register_parameter(key, nn.Parameter(sharded, requires_grad=param.requires_grad))
+
+
+def _one_dim(placements: dict[str, Placement]) -> dict[str, tuple[Placement, ...]]:
+    return {key: (p,) for key, p in placements.items()}
 
 
 @dataclass(kw_only=True)
@@ -82,7 +90,9 @@ class NoParallel(ParallelStyle):
         return distribute_module(
             module,
             device_mesh,
-            lambda name, mod, mesh: _replicate_params(mod, mesh, self.param_placements(mod), self.src_data_rank),
+            lambda name, mod, mesh: distribute_params(
+                mod, mesh, _one_dim(self.param_placements(mod)), self.src_data_rank
+            ),
             inputs,
             output,
         )
@@ -114,7 +124,7 @@ class GroupedExpertsParallel(ParallelStyle):
         return distribute_module(
             module,
             device_mesh,
-            lambda name, mod, mesh: _replicate_params(mod, mesh, placements, self.src_data_rank),
+            lambda name, mod, mesh: distribute_params(mod, mesh, _one_dim(placements), self.src_data_rank),
             inputs,
             None,
         )

@@ -209,9 +209,12 @@ class Parallelism:
     """Context parallelism: how K/V blocks travel between ranks: "allgather" (one all-gather per attention) or
     "alltoall" (a ring of point-to-point passes overlapped with the block computation)."""
     expert_parallel_degree: int = 1
-    """Expert parallelism: there is no MoE model here (1 only)."""
+    """Expert parallelism: each MoE layer's routed experts are sharded over this many ranks and tokens travel to
+    them by all-to-all. The ranks are borrowed from data_parallel_shard_degree x context_parallel_degree (x
+    tensor_parallel_degree when expert_tensor_parallel_degree = 1); it must divide that and num_experts."""
     expert_tensor_parallel_degree: int = 1
-    """Expert tensor parallelism: there is no MoE model here (1 only)."""
+    """Expert parallelism: 1 (ep borrows the tp ranks, which split the routed tokens) or tensor_parallel_degree
+    (each expert is also sharded on its hidden dim over tp)."""
     enable_loss_parallel: bool = True
     """meshtrain: with TP, keep logits sharded on the vocabulary dim for the cross-entropy (false, or
     disable_loss_parallel=true, gathers them)."""
