@@ -144,9 +144,9 @@ class ParallelDims:
         borrowed = {"dp_shard": self.dp_shard, "cp": self.cp} | ({"tp": self.tp} if self.etp == 1 else {})
         pool = math.prod(borrowed.values())
         whole = math.prod(d for n, d in borrowed.items() if n != "dp_shard")
-        terms = " * ".join(f"{n}_degree({d})" for n, d in borrowed.items())
+        terms = " * ".join(f"{n}_degree({d})" for n, d in borrowed.items() if d > 1 or n == "dp_shard")
         if pool % self.ep or self.ep % whole:
-            inner = " * ".join(f"{n}_degree({d})" for n, d in borrowed.items() if n != "dp_shard")
+            inner = " * ".join(f"{n}_degree({d})" for n, d in borrowed.items() if n != "dp_shard" and d > 1)
             raise ValueError(
                 f"expert_parallel_degree({self.ep}) must divide {terms} = {pool}, the ranks expert parallelism "
                 f"borrows{f', and be a multiple of {inner} = {whole}' if whole > 1 else ''}; pick one of "
@@ -165,22 +165,28 @@ class ParallelDims:
         """dp_shard / dp_shard_in_ep: the ranks that FSDP shards the routed experts over."""
         return self.dp_shard // self.dp_shard_in_ep
 
+    def mesh_dims(self) -> tuple[dict[str, int], dict[str, tuple[str, ...]]]:
+        """Every dim of the world mesh in mesh order with its degree (`MESH_ORDER`, or `EP_MESH_ORDER` under EP),
+        and each flattened name with the dims it spans: what `build_mesh` builds (less the dims of degree 1) and
+        what the dry run prices a group by."""
+        if not self.ep_enabled:
+            return {n: getattr(self, n) for n in MESH_ORDER}, dict(FLATTENED)
+        degrees = {n: getattr(self, n) for n in EP_MESH_ORDER}
+        flattened = {flat: _split_dp_shard(dims) for flat, dims in FLATTENED.items()}
+        flattened["ep"] = ("dp_shard_in_ep", "cp", "tp") if self.etp == 1 else ("dp_shard_in_ep", "cp")
+        return degrees, flattened
+
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """World mesh over the dims of degree > 1 (see the module docstring), with the flattened
         "dp", "dp_shard_cp", "dp_cp" (and under EP "ep") submeshes registered on it. Collective: call
         on every rank."""
         from parallelisms.dtensor import init_device_mesh
 
+        degrees, flattened = self.mesh_dims()
         if self.ep_enabled:
-            degrees = {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard_mod_ep": self.dp_shard_mod_ep,
-                       "dp_shard_in_ep": self.dp_shard_in_ep, "cp": self.cp, "tp": self.tp}  # fmt: skip
-            names = [n for n in EP_MESH_ORDER if degrees[n] > 1 or n == "dp_shard_mod_ep"]
-            flattened = {flat: _split_dp_shard(dims) for flat, dims in FLATTENED.items()}
-            flattened["ep"] = ("dp_shard_in_ep", "cp", "tp") if self.etp == 1 else ("dp_shard_in_ep", "cp")
+            names = [n for n in degrees if degrees[n] > 1 or n == "dp_shard_mod_ep"]
         else:
-            degrees = {n: getattr(self, n) for n in MESH_ORDER}
-            names = [n for n in MESH_ORDER if degrees[n] > 1] or ["dp_shard"]
-            flattened = FLATTENED
+            names = [n for n in degrees if degrees[n] > 1] or ["dp_shard"]
         world_mesh = init_device_mesh(device_type, [degrees[n] for n in names], mesh_dim_names=names)
         for flat_name, dims in flattened.items():
             present = tuple(d for d in dims if d in names)

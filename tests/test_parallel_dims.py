@@ -103,3 +103,58 @@ def test_build_mesh_single_rank_is_1d_dp_shard():
     (r,) = run_world(_mesh_layout, 1, 1, -1, 1)
     assert r["names"] == ("dp_shard",) and r["shape"] == (1,)
     assert r["dp"] == r["dp_shard_cp"] == r["dp_cp"] == [0]
+
+
+# ------------------------------------------------------------------------------ expert parallelism
+def test_ep_borrows_dp_shard_and_cp_and_tp_when_etp_is_1():
+    d = ParallelDims(dp_replicate=1, dp_shard=4, cp=1, tp=2, pp=1, world_size=8, ep=4)
+    assert (d.dp_shard_in_ep, d.dp_shard_mod_ep) == (2, 2)  # ep 4 = 2 dp_shard ranks x tp 2
+    d = ParallelDims(dp_replicate=1, dp_shard=4, cp=1, tp=2, pp=1, world_size=8, ep=4, etp=2)
+    assert (d.dp_shard_in_ep, d.dp_shard_mod_ep) == (4, 1)  # etp = tp: ep only from dp_shard
+    d = ParallelDims(dp_replicate=2, dp_shard=2, cp=2, tp=1, pp=1, world_size=8, ep=2)
+    assert (d.dp_shard_in_ep, d.dp_shard_mod_ep, d.expert_gradient_divide_factor) == (1, 2, 8)  # ep is cp
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"ep": 3}, r"expert_parallel_degree\(3\) must divide dp_shard_degree\(4\) \* tp_degree\(2\) = 8, .* pick one "
+                    r"of \[2, 4, 8\] for parallelism.expert_parallel_degree"),
+        ({"ep": 16}, r"expert_parallel_degree\(16\) must divide .* = 8"),  # larger than the ranks it borrows
+        ({"ep": 2, "cp": 2, "dp_shard": 2}, r"= 8, .* a multiple of cp_degree\(2\) \* tp_degree\(2\) = 4; pick "
+                                             r"one of \[4, 8\]"),  # ep spans whole cp x tp groups
+        ({"ep": 4, "etp": 3}, r"expert_tensor_parallel_degree\(3\) must be 1 .* or tensor_parallel_degree\(2\)"),
+        ({"etp": 2}, r"expert_tensor_parallel_degree\(2\) without expert parallelism"),
+        ({"ep": 0}, r"ep_degree\(0\) must be >= 1; set parallelism.expert_parallel_degree=1"),
+    ],
+)  # fmt: skip
+def test_bad_expert_degrees_name_the_arithmetic(kw: dict, match: str):
+    base = {"dp_replicate": 1, "dp_shard": 4, "cp": 1, "tp": 2, "pp": 1, "world_size": 8}
+    with pytest.raises(ValueError, match=match):
+        ParallelDims(**(base | kw))
+
+
+def _ep_mesh_layout(dp_replicate: int, cp: int, tp: int, ep: int, etp: int) -> dict:
+    import torch.distributed as dist
+
+    dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=-1, cp=cp, tp=tp, pp=1,
+                        world_size=dist.get_world_size(), ep=ep, etp=etp)  # fmt: skip
+    mesh = dims.build_mesh("cpu")
+    return {"names": mesh.mesh_dim_names, "shape": mesh.shape} | {
+        name: mesh[name].mesh.tolist() for name in ("ep", "dp", "dp_shard_cp", "dp_cp", "dp_shard_mod_ep")
+    }
+
+
+def test_ep_meshes_on_8_ranks():
+    # dp_shard 4 x tp 2, ep 4 with etp 1: ep = 2 dp_shard ranks x the tp pair; FSDP of experts over the other 2
+    for rank, r in enumerate(run_world(_ep_mesh_layout, 8, 1, 1, 2, 4, 1)):
+        assert r["names"] == ("dp_shard_mod_ep", "dp_shard_in_ep", "tp") and r["shape"] == (2, 2, 2)
+        first = 4 * (rank // 4)
+        assert r["ep"] == [first, first + 1, first + 2, first + 3]
+        assert r["dp_shard_mod_ep"] == [rank % 4, rank % 4 + 4]
+        assert r["dp_shard_cp"] == r["dp"] == r["dp_cp"] == [rank % 2 + 2 * i for i in range(4)]  # as without EP
+    # HSDP 2 x cp 2 x tp 2, ep 2 with etp = tp: ep is cp; dp_shard_mod_ep kept at size 1
+    for rank, r in enumerate(run_world(_ep_mesh_layout, 8, 2, 2, 2, 2, 2)):
+        assert r["names"] == ("dp_replicate", "dp_shard_mod_ep", "cp", "tp") and r["shape"] == (2, 1, 2, 2)
+        assert r["ep"] == [rank - rank % 4 + rank % 2, rank - rank % 4 + rank % 2 + 2]
+        assert r["dp_shard_mod_ep"] == [rank]

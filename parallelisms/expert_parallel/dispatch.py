@@ -24,6 +24,8 @@ from torch.distributed import ProcessGroup
 
 from parallelisms.dtensor.collectives import all_to_all_rows
 
+from .splits import host_splits
+
 
 class _AllToAllRows(torch.autograd.Function):
     @staticmethod
@@ -63,11 +65,13 @@ def expert_major_order(received: torch.Tensor, total: int) -> torch.Tensor:
     return torch.arange(total, device=received.device) + shift
 
 
-def token_slice(counts: torch.Tensor, index: int, parts: int) -> tuple[int, int, torch.Tensor]:
+def token_slice(
+    counts: torch.Tensor, index: int, parts: int, total: int | None = None
+) -> tuple[int, int, torch.Tensor]:
     """Part `index` of `parts` of the M = counts.sum() rows sorted by expert (the ranks of a tp group, which route
     the same tokens, split them so each row goes through the experts once): rows [lo, hi) and the count of each
-    expert's rows among them."""
-    total = int(counts.sum())
+    expert's rows among them. `total`: M when the caller knows it (no host read; fake counts have no values)."""
+    total = int(counts.sum()) if total is None else total
     lo, hi = total * index // parts, total * (index + 1) // parts
     ends = counts.cumsum(0)
     starts = ends - counts
@@ -93,9 +97,8 @@ def dispatch(
     ep = group.size()
     received = all_to_all_rows(counts, [counts.numel() // ep] * ep, [counts.numel() // ep] * ep, group)
     received = received.view(ep, -1)  # (source rank, local expert)
-    # one host read for both splits: the all-to-all of rows takes them as lists
-    splits = torch.stack([counts.view(ep, -1).sum(1), received.sum(1)]).tolist()
-    input_splits, output_splits = splits[0], splits[1]
+    # the all-to-all of rows takes them as lists: one host read (assumed when traced on fake tensors)
+    input_splits, output_splits = host_splits(counts, received, routed.shape[0])
     rows = all_to_all_rows_autograd(routed, output_splits, input_splits, group)
     order = expert_major_order(received, sum(output_splits))
     return rows.index_select(0, order), received.sum(0), Dispatched(input_splits, output_splits, order, group)

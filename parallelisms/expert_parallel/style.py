@@ -81,7 +81,7 @@ class ExpertParallel(ParallelStyle):
             elif self.token_split_mesh is not None:  # the tp ranks share the rows out
                 split = self.token_split_mesh
                 routed = partial_grad(routed, split)
-                lo, hi, counts = token_slice(counts, split.get_local_rank(), split.size())
+                lo, hi, counts = token_slice(counts, split.get_local_rank(), split.size(), total=rows)
                 routed = routed[lo:hi]
             local_rows, local_counts, dispatched = dispatch(routed, counts, ep_group)
             self._in_flight.append(_InFlight(dispatched, rows, lo, hi))

@@ -1,8 +1,9 @@
 """Qwen3-MoE and DeepSeek-V3 through the trainer under every parallelism: FSDP, HSDP, TP/SP (experts sharded on
-their hidden dim, router replicated), PP (DeepSeek's dense block first), CP, DDP and selective activation
-checkpointing each follow one process on the same global batches (fp32, AdamW, load balancing on, so the routing
-bias moves every step and every layout must move it alike); the expert-load metrics are logged. A checkpoint
-saved under FSDP resumes under TP and under PP (routing biases and experts resharded), and its export loads in
+their hidden dim, router replicated), PP (DeepSeek's dense block first), CP, DDP, selective activation
+checkpointing, and expert parallelism alone and with each of FSDP, TP (etp 1 and etp = tp), PP, CP and HSDP, each
+follow one process on the same global batches (fp32, AdamW, load balancing on, so the routing bias moves every
+step and every layout must move it alike); the expert-load metrics are logged. A checkpoint saved under EP resumes
+under TP, PP and EP x TP (routing biases, experts and their optimizer state resharded), and its export loads in
 transformers with our logits. Tiny flavors of both families (registered in each rank) keep the runs to seconds;
 `./run_train.sh` trains the real debug flavors (tests/trainer/test_torchtitan_configs.py)."""
 
@@ -25,6 +26,18 @@ DDP2 = ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data
 HSDP = ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"]
 LBS2, LBS1 = ["--training.local_batch_size", "2"], ["--training.local_batch_size", "1"]  # dp 2, dp 4: the same batch
 SAC = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]
+EP2, EP4 = ["--parallelism.expert_parallel_degree", "2"], ["--parallelism.expert_parallel_degree", "4"]
+EP_LAYOUTS = {  # name: (world, flags)
+    "ep2": (2, [*EP2, *LBS2]),  # EP(2) is FSDP(2)'s ranks: the experts' FSDP group is one rank
+    "fsdp4_ep2": (4, [*EP2, *LBS1]),  # the experts FSDP(2)-sharded outside ep, their gradients / 4
+    "ep4": (4, [*EP4, *LBS1]),
+    "ep2_tp2": (4, [*EP2, "--parallelism.tensor_parallel_degree", "2", *LBS2]),  # etp 1: ep is tp, tokens split
+    "ep2_tp2_etp2": (4, [*EP2, "--parallelism.tensor_parallel_degree", "2",
+                         "--parallelism.expert_tensor_parallel_degree", "2", *LBS2]),  # experts over (ep, tp)
+    "ep2_pp2": (4, [*EP2, "--parallelism.pipeline_parallel_degree", "2", *LBS2]),
+    "ep2_cp2": (4, [*EP2, "--parallelism.context_parallel_degree", "2", *LBS2]),  # ep is cp
+    "hsdp_ep2": (4, [*EP2, *HSDP, *LBS1]),
+}  # fmt: skip
 
 
 def register_tiny_flavors() -> None:
@@ -77,9 +90,11 @@ def one_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[str]
         ("deepseek_v3", 2, PP2),
         ("deepseek_v3", 2, CP2),
         ("deepseek_v3", 2, [*DDP2, *LBS2]),
+        # expert parallelism, borrowing dp_shard, tp or cp ranks (parallelisms/parallel_dims.py), on both families
+        *[(family, world, layout) for family in ("qwen3", "deepseek_v3") for world, layout in EP_LAYOUTS.values()],
     ],
     ids=["qwen3_fsdp2", "qwen3_tp2", "qwen3_hsdp", "qwen3_pp2", "qwen3_cp2_sac", "dsv3_fsdp2_tp2", "dsv3_pp2",
-         "dsv3_cp2", "dsv3_ddp2"],
+         "dsv3_cp2", "dsv3_ddp2", *[f"{family}_{name}" for family in ("qwen3", "dsv3") for name in EP_LAYOUTS]],
 )  # fmt: skip
 def test_moe_training_follows_one_process(
     tmp_path: Path, one_process: dict[str, list[str]], family: str, world: int, layout: list[str]
@@ -99,14 +114,18 @@ def test_the_expert_load_is_logged_every_log_step(one_process: dict[str, list[st
 CKPT = ["--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.last_save_model_only", "false"]
 
 
-def test_an_fsdp_checkpoint_resumes_under_tp_and_pp_and_exports_to_transformers(tmp_path: Path) -> None:
-    fsdp = [*_job("deepseek_v3", tmp_path / "fsdp"), *CKPT, *LBS2]
-    straight = _losses(run_world(_train_tiny, 2, fsdp)[0])
-    for name, layout in (("tp", TP2), ("pp", PP2)):
-        shutil.copytree(tmp_path / "fsdp" / "checkpoint" / "step-2", tmp_path / name / "checkpoint" / "step-2")
+def test_an_expert_parallel_checkpoint_resumes_under_tp_pp_and_ep_tp_and_exports_to_transformers(
+    tmp_path: Path,
+) -> None:
+    """Saved under EP(2) (experts Shard(0) over ep, the rest FSDP(2)); resumed with the experts whole on each rank
+    (TP: hidden-sharded; PP: per stage) and under EP(2) borrowing TP(2) (the experts on another mesh)."""
+    ep = [*_job("deepseek_v3", tmp_path / "ep"), *CKPT, *EP2, *LBS2]
+    straight = _losses(run_world(_train_tiny, 2, ep)[0])
+    for name, layout in (("tp", TP2), ("pp", PP2), ("ep_tp", [*EP2, *TP2])):
+        shutil.copytree(tmp_path / "ep" / "checkpoint" / "step-2", tmp_path / name / "checkpoint" / "step-2")
         resumed = _losses(run_world(_train_tiny, 2, [*_job("deepseek_v3", tmp_path / name), *CKPT, *layout])[0])
         assert resumed == pytest.approx(straight[2:], abs=2e-4), (name, straight, resumed)
-    ours, theirs = run_world(_exported_logits, 1, tmp_path / "fsdp" / "checkpoint" / "step-4", tmp_path / "hf")[0]
+    ours, theirs = run_world(_exported_logits, 1, tmp_path / "ep" / "checkpoint" / "step-4", tmp_path / "hf")[0]
     torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=1e-5)
 
 

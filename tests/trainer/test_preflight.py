@@ -223,3 +223,32 @@ def test_an_hf_folder_as_initial_load_path_is_pointed_at_initial_load_in_hf(tmp_
         match=r"is a Hugging Face model folder, not a meshtrain checkpoint; set checkpoint.initial_load_in_hf=true",
     ):
         _checked(tmp_path, "--checkpoint.initial_load_path", str(hf))
+
+
+@pytest.mark.parametrize(
+    "args, world, message",
+    [
+        (["--parallelism.expert_parallel_degree", "2"], 2,
+         r"^parallelism.expert_parallel_degree\(2\): the llama3 debugmodel flavor has no MoE layers, .* set it to 1"),
+        (["--model.name", "deepseek_v3", "--model.flavor", "debugmodel", "--parallelism.expert_parallel_degree", "3"],
+         3, r"^parallelism.expert_parallel_degree\(3\) must divide the debugmodel flavor's num_experts\(8\): .* "
+            r"pick one of \[1, 2, 4, 8\]"),
+        (["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--parallelism.expert_parallel_degree", "4"],
+         2, r"^expert_parallel_degree\(4\) must divide dp_shard_degree\(2\) = 2, the ranks expert parallelism "
+            r"borrows"),
+        (["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--parallelism.expert_parallel_degree", "2",
+          "--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_tensor_parallel_degree", "3"],
+         4, r"^expert_tensor_parallel_degree\(3\) must be 1 .* or tensor_parallel_degree\(2\)"),
+    ],
+)  # fmt: skip
+def test_expert_parallel_degrees_that_do_not_fit_fail_the_preflight(args: list[str], world: int, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        check_config(load_config(args), world)
+
+
+def test_expert_parallel_layouts_pass_the_preflight() -> None:
+    moe = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--parallelism.expert_parallel_degree"]
+    check_config(load_config([*moe, "8"]), 8)
+    check_config(load_config([*moe, "2", "--parallelism.tensor_parallel_degree", "2"]), 4)
+    check_config(load_config([*moe, "2", "--parallelism.tensor_parallel_degree", "2",
+                              "--parallelism.expert_tensor_parallel_degree", "2"]), 4)  # fmt: skip

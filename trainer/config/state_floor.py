@@ -28,6 +28,8 @@ class Degrees(Protocol):
     def tp(self) -> int: ...
     @property
     def pp(self) -> int: ...
+    @property
+    def ep(self) -> int: ...
 
 
 def state_bytes_lower_bound(cfg: JobConfig, n_params: int, layout: Degrees) -> float:
@@ -41,7 +43,8 @@ def state_bytes_lower_bound(cfg: JobConfig, n_params: int, layout: Degrees) -> f
         # under PP, FSDP keeps a stage's parameters gathered through the step (trainer: reshard_after_forward
         # = not pp; the runtime: no reshard before the stage's last backward): all of them at its first forward
         gathered = 2 if cfg.training.mixed_precision_param == "bfloat16" else element
-        state += gathered * n_params / (layout.tp * layout.pp)
+        # under expert parallelism the experts are gathered over fewer ranks than ep: dividing all by ep stays under
+        state += gathered * n_params / (layout.tp * layout.pp * layout.ep)
     return state
 
 
