@@ -4,7 +4,7 @@
 # tokenizer and data (torchtitan_cpu.sh's assets), seq, batch, fp32, AdamW, no activation checkpointing.
 # Prints one JSON line: per layout, each side's global tokens/s per round, medians and our ratio.
 #
-# Settings (env): FAMILY=qwen3|deepseek_v3  LAYOUTS="ws1 fsdp2"  ROUNDS=2  STEPS=6  SKIP=2  SEQ=256  LBS=2
+# Settings (env): FAMILY=qwen3|deepseek_v3  LAYOUTS="ws1 fsdp2" (also ep2: FSDP 2 with expert parallel 2)  ROUNDS=2  STEPS=6  SKIP=2  SEQ=256  LBS=2
 #   PEERS=../shared/bench (torchtitan_cpu.sh's folder)
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -22,7 +22,7 @@ case $FAMILY in
   deepseek_v3) FLAVOR=debugmodel; TT_CONFIG=deepseek_v3_debugmodel ;;
   *) echo "FAMILY=$FAMILY: expected qwen3 or deepseek_v3" >&2; exit 2 ;;
 esac
-declare -A OURS_ARGS=([ws1]="one" [fsdp2]="fsdp2")
+declare -A OURS_ARGS=([ws1]="one" [fsdp2]="fsdp2" [ep2]="ep2")
 results=$(mktemp)
 for round in $(seq 1 "$ROUNDS"); do
   for layout in $LAYOUTS; do

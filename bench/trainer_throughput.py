@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 LAYOUTS = {  # name: (ranks, threads per rank, dp degree, --parallelism overrides)
     "one": (1, 2, 1, {"data_parallel_shard_degree": 1}),
     "fsdp2": (2, 1, 2, {"data_parallel_shard_degree": 2}),  # also what pure data parallelism did before DDP
+    "ep2": (2, 1, 2, {"data_parallel_shard_degree": 2, "expert_parallel_degree": 2}),  # torchtitan_cpu.sh's ep2
     "ddp2": (2, 1, 2, {"data_parallel_replicate_degree": 2, "data_parallel_shard_degree": 1}),
     "tp2": (2, 1, 1, {"data_parallel_shard_degree": 1, "tensor_parallel_degree": 2}),
     "fsdp2_tp2": (4, 1, 2, {"data_parallel_shard_degree": 2, "tensor_parallel_degree": 2}),

@@ -1,6 +1,6 @@
 """Qwen3-MoE and DeepSeek-V3 through the trainer under every parallelism: FSDP, HSDP, TP/SP (experts sharded on
 their hidden dim, router replicated), PP (DeepSeek's dense block first), CP, DDP, selective activation
-checkpointing, and expert parallelism alone and with each of FSDP, TP (etp 1 and etp = tp), PP, CP and HSDP, each
+checkpointing, and expert parallelism alone and with each of FSDP, TP (etp 1 and etp = tp), PP, CP, HSDP and DDP, each
 follow one process on the same global batches (fp32, AdamW, load balancing on, so the routing bias moves every
 step and every layout must move it alike); the expert-load metrics are logged. A checkpoint saved under EP resumes
 under TP, PP and EP x TP (routing biases, experts and their optimizer state resharded), and its export loads in
@@ -37,6 +37,7 @@ EP_LAYOUTS = {  # name: (world, flags)
     "ep2_pp2": (4, [*EP2, "--parallelism.pipeline_parallel_degree", "2", *LBS2]),
     "ep2_cp2": (4, [*EP2, "--parallelism.context_parallel_degree", "2", *LBS2]),  # ep is cp
     "hsdp_ep2": (4, [*EP2, *HSDP, *LBS1]),
+    "ddp2_tp2_ep2": (4, [*EP2, *DDP2, "--parallelism.tensor_parallel_degree", "2", *LBS2]),  # DDP's replicas of ep
 }  # fmt: skip
 
 
