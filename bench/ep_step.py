@@ -99,6 +99,8 @@ def _rank(family: str, flavor: str, ep: int, seq: int, batch: int, steps: int) -
             seconds["fsdp_collectives"] += e.cpu_time_total / 1e6
         elif e.name == "aten::_grouped_mm" and "aten::_grouped_mm" not in parent_names:
             seconds["grouped_gemm"] += e.cpu_time_total / 1e6
+    top = sorted(prof.key_averages(), key=lambda a: a.self_cpu_time_total, reverse=True)[:8]
+    top_ops = {a.key: round(a.self_cpu_time_total / 1e6 / wall, 3) for a in top}
     hooks = [m.router.register_forward_hook(count_routes) for m in moes]
     with CommDebugMode() as comm:
         step()
@@ -111,6 +113,7 @@ def _rank(family: str, flavor: str, ep: int, seq: int, batch: int, steps: int) -
         "step_s": statistics.median(times),
         "profiled_step_s": wall,
         "share": {k: round(v / wall, 3) for k, v in seconds.items()},
+        "top_ops_self_share": top_ops,
         "bytes": {
             "handed_to_all_to_all": handed,
             # the rows of remote experts leave and come back in the forward, and again as gradients in the backward
@@ -132,7 +135,7 @@ def main() -> None:
     a = parser.parse_args()
     from tests.world import run_world
 
-    results = run_world(_rank, a.ep, a.family, a.flavor, a.ep, a.seq, a.batch, a.steps)
+    results = run_world(_rank, a.ep, a.family, a.flavor, a.ep, a.seq, a.batch, a.steps, timeout=1800)
     r = results[0]
     r["bytes"]["crossing_ranks"] = r["bytes"]["pairs_there_and_back"]  # what leaves the rank; the rest is local
     print(

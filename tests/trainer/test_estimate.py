@@ -33,7 +33,7 @@ CONTRACT = {
 }
 RANK_KEYS = {"role", "ranks", "memory_bytes", "collectives"}
 MEMORY_KEYS = {"params", "grads", "optimizer", "activations", "temporaries", "comm_buffers", "peak"}
-LAYOUT_KEYS = {"dp_replicate", "dp_shard", "cp", "tp", "pp"}
+LAYOUT_KEYS = {"dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "etp"}
 
 
 _SERVER: list[EstimateServer] = []  # the module's one server, started by the first estimate
@@ -261,7 +261,7 @@ def test_json_has_every_key_of_the_contract() -> None:
     rank = report["ranks"][0]
     assert RANK_KEYS <= rank.keys() and MEMORY_KEYS <= rank["memory_bytes"].keys()
     assert all({"kind", "mesh_dim", "count", "bytes"} == c.keys() for c in rank["collectives"])
-    assert report["layout"] == {"dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 2, "pp": 1}
+    assert report["layout"] == {"dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 2, "pp": 1, "ep": 1, "etp": 1}
     assert {c["mesh_dim"] for c in rank["collectives"]} >= {"dp_shard", "tp"}
     assert report["step_time_s"] > 0 and 0 < report["mfu"] < 1
     # the peak is in the step's backward, not the optimizer step that made the AdamW state before it (whose
@@ -384,3 +384,124 @@ def test_an_moe_flavor_holds_every_expert_and_counts_the_active_flops(family: st
     executed = report["ranks"][0]["executed_flops_per_step"]
     assert executed == pytest.approx(report["flops_per_step"], rel=0.1), executed  # the grouped GEMMs counted
     assert args.active_parameter_count < args.parameter_count / 4  # the active share is what the FLOPs count
+
+
+# ------------------------------------------------------------------------ expert parallelism
+DEEPSEEK_16B = ["--model.name", "deepseek_v3", "--model.flavor", "16B", "--model.vocab_size", "2048",
+                "--activation_checkpoint.mode", "none"]  # fmt: skip
+EP = "--parallelism.expert_parallel_degree"
+
+
+def _collectives(report: dict[str, Any], kind: str, mesh_dim: str) -> tuple[int, int]:
+    """(count, bytes) of the first role's collectives of `kind` on `mesh_dim`."""
+    rows = [c for c in report["ranks"][0]["collectives"] if c["kind"].startswith(kind) and c["mesh_dim"] == mesh_dim]
+    return sum(c["count"] for c in rows), sum(c["bytes"] for c in rows)
+
+
+def test_expert_parallelism_keeps_the_experts_off_fsdp_s_gathers_and_prices_its_all_to_alls_on_ep() -> None:
+    """DeepSeek-V3 16B on 8 ranks, FSDP 8 against ep 8 (dp_shard's 8 ranks): each rank holds 1/8 of the parameters
+    either way (8 of the 64 experts whole, or 1/8 of each), but FSDP no longer gathers the experts (94% of them),
+    and each MoE layer moves its routed rows instead: per step 4 all-to-alls of tokens x top_k rows x dim in bf16
+    (dispatch and combine, forward and backward) and one of the (E,) int64 counts."""
+    from models.registry import job_model_args, n_moe_layers
+
+    fsdp = estimate_json("debug_model", 8, *DEEPSEEK_16B, device="h100")
+    ep = estimate_json("debug_model", 8, *DEEPSEEK_16B, EP, "8", device="h100")
+    assert ep["layout"] == {"dp_replicate": 1, "dp_shard": 8, "cp": 1, "tp": 1, "pp": 1, "ep": 8, "etp": 1}
+    args = job_model_args("deepseek_v3", "16B", vocab_size=2048, max_seq_len=256)
+    layers, moe = n_moe_layers(args), args.moe_args
+    expert_share = layers * moe.num_experts * 3 * args.dim * args.moe_inter_dim / args.parameter_count
+    assert expert_share == pytest.approx(0.941, abs=1e-3)
+    params = {name: r["ranks"][0]["memory_bytes"]["params"] for name, r in (("fsdp", fsdp), ("ep", ep))}
+    assert params["ep"] == params["fsdp"] == pytest.approx(args.parameter_count * 4 / 8, rel=0.02)
+    gathered = {name: _collectives(r, "all_gather", "dp_shard")[1] for name, r in (("fsdp", fsdp), ("ep", ep))}
+    assert gathered["ep"] / gathered["fsdp"] == pytest.approx(1 - expert_share, rel=0.01)
+    assert ep["ranks"][0]["memory_bytes"]["params_unsharded"] < fsdp["ranks"][0]["memory_bytes"]["params_unsharded"]
+    assert _collectives(fsdp, "all_to_all", "ep") == (0, 0)
+    tokens = 2 * 256  # local batch x seq_len, per rank
+    rows_bytes = tokens * moe.top_k * args.dim * 2  # bf16 rows, one all-to-all's payload
+    assert _collectives(ep, "all_to_all", "ep") == (layers * 5, layers * (4 * rows_bytes + moe.num_experts * 8))
+    # this small batch's step is FSDP's traffic: gathering and reducing the experts costs more than moving the tokens
+    assert ep["step_time_s"] < fsdp["step_time_s"]
+
+
+def test_a_routing_imbalance_makes_the_busiest_ep_rank_slower() -> None:
+    """--routing_imbalance F: the rank estimated receives F x the mean routed rows (the busiest of its ep group), so
+    its grouped GEMMs run F x the rows, and the combine's all-to-alls (forward and backward) hand back F x the rows;
+    the dispatch's stay this rank's own. F lies in [1, ep]."""
+    ep2 = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel", EP, "2"]
+    balanced = estimate_json("debug_model", 2, *ep2, "--every_block", device="h100")  # 6 blocks: cheaper than 3 + 5
+    skewed = estimate_json("debug_model", 2, *ep2, "--every_block", "--routing_imbalance", "1.5", device="h100")
+    assert (balanced["routing_imbalance"], skewed["routing_imbalance"]) == (1.0, 1.5)
+    rows_bytes = 2 * 256 * 3 * 256 * 2  # tokens x top_k x dim x bf16
+    layers, experts = 5, 8
+    counts = layers * experts * 8
+    assert _collectives(balanced, "all_to_all", "ep")[1] == layers * 4 * rows_bytes + counts
+    assert _collectives(skewed, "all_to_all", "ep")[1] == layers * (2 + 2 * 1.5) * rows_bytes + counts
+    flops = [r["ranks"][0]["executed_flops_per_step"] for r in (balanced, skewed)]
+    assert flops[1] > flops[0] and skewed["step_time_s"] > balanced["step_time_s"]
+    assert skewed["ranks"][0]["memory_bytes"]["peak"] >= balanced["ranks"][0]["memory_bytes"]["peak"]
+    done = run_estimate("--world_size", "2", "--device", "h100", *ep2, "--routing_imbalance", "3")
+    assert done.returncode == 2 and "--routing_imbalance 3.0" in done.stderr, done.stderr
+    assert "in [1, expert_parallel_degree(2)]" in done.stderr
+    done = run_estimate("--world_size", "2", "--device", "h100", "--routing_imbalance", "0.5")
+    assert done.returncode == 2 and "--routing_imbalance 0.5" in done.stderr, done.stderr
+
+
+def test_the_report_states_the_routing_it_assumes() -> None:
+    from parallelisms.parallel_dims import ParallelDims
+    from trainer.estimate.cli import moe_assumption
+
+    cfg = load_config(["--model.name", "deepseek_v3", "--model.flavor", "16B"])
+    fsdp = ParallelDims(dp_replicate=1, dp_shard=8, cp=1, tp=1, pp=1, world_size=8)
+    ep = ParallelDims(dp_replicate=1, dp_shard=8, cp=1, tp=1, pp=1, world_size=8, ep=8)
+    assert "balanced or not, routing costs the same here" in moe_assumption(cfg, fsdp, 1.0)[0]
+    assert "8 experts per ep rank; routing assumed balanced" in moe_assumption(cfg, ep, 1.0)[0]
+    assert "the busiest of its ep group, receiving 2 x the mean" in moe_assumption(cfg, ep, 2.0)[0]
+
+
+def test_search_enumerates_the_expert_parallel_degrees_of_an_moe_model_only() -> None:
+    """Each ep divides num_experts and passes ParallelDims (it borrows dp_shard x cp, x tp with etp 1); dense models
+    keep their layouts and overrides."""
+    from parallelisms.parallel_dims import ParallelDims
+    from trainer.estimate.search import layouts
+
+    moe = load_config(["--model.name", "deepseek_v3", "--model.flavor", "16B", "--model.vocab_size", "2048"])
+    found = layouts(moe, 8, 8)
+    for layout in found:
+        assert 64 % layout.ep == 0 and layout.experts, layout
+        ParallelDims(**{k: getattr(layout, k) for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "etp")},
+                     world_size=8)  # fmt: skip
+        assert layout.overrides()[-4:] == [EP, str(layout.ep), "--parallelism.expert_tensor_parallel_degree",
+                                           str(layout.etp)]  # fmt: skip
+    fsdp8 = [(la.ep, la.etp) for la in found if (la.dp_replicate, la.dp_shard, la.cp, la.tp, la.pp) == (1, 8, 1, 1, 1)]
+    assert fsdp8 == [(1, 1), (2, 1), (4, 1), (8, 1)]
+    tp2 = [(la.ep, la.etp) for la in found if (la.dp_replicate, la.dp_shard, la.cp, la.tp, la.pp) == (1, 4, 1, 2, 1)]
+    assert tp2 == [(1, 1), (2, 1), (4, 1), (8, 1), (2, 2), (4, 2)]  # etp 1: ep a multiple of tp; etp 2: of dp_shard
+    dense = layouts(load_config([]), 8, 8)
+    assert all(la.ep == la.etp == 1 and not la.experts for la in dense)
+    assert EP not in dense[0].overrides()
+
+
+def test_a_bad_expert_parallel_degree_is_an_error_naming_the_key() -> None:
+    model = ["--model.name", "deepseek_v3", "--model.flavor", "16B", "--model.vocab_size", "2048"]
+    done = run_estimate("--world_size", "12", "--device", "h100", *model, EP, "3")
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "parallelism.expert_parallel_degree(3) must divide the 16B flavor's num_experts(64)" in done.stderr
+    done = run_estimate("--world_size", "8", "--device", "h100", *model, EP, "16")
+    assert done.returncode == 2 and "expert_parallel_degree(16) must divide" in done.stderr, done.stderr
+
+
+def test_the_ep_all_to_all_is_priced_on_the_network_only_when_its_group_spans_nodes() -> None:
+    from parallelisms.parallel_dims import ParallelDims
+    from trainer.estimate.pricing import dim_extent, spans_nodes
+
+    # etp 1: ep borrows tp first, the innermost dim; 64 ranks cross nodes of 8, 8 stay in one
+    wide = ParallelDims(dp_replicate=1, dp_shard=32, cp=1, tp=8, pp=1, world_size=256, ep=64)
+    assert dim_extent(wide, "ep") == (64, 1) and spans_nodes(wide, "ep", 8)
+    assert dim_extent(wide, "dp_shard") == (32, 8) and dim_extent(wide, "dp_shard_mod_ep") == (4, 64)
+    in_node = ParallelDims(dp_replicate=1, dp_shard=32, cp=1, tp=8, pp=1, world_size=256, ep=8)
+    assert dim_extent(in_node, "ep") == (8, 1) and not spans_nodes(in_node, "ep", 8)
+    # etp = tp: ep takes dp_shard ranks only, tp apart, so its 8 ranks lie on 8 nodes
+    strided = ParallelDims(dp_replicate=1, dp_shard=32, cp=1, tp=8, pp=1, world_size=256, ep=8, etp=8)
+    assert dim_extent(strided, "ep") == (8, 8) and spans_nodes(strided, "ep", 8)

@@ -66,11 +66,10 @@ def test_torchtitan_config_passes_preflight_under_its_degrees(name: str, tokeniz
 @pytest.mark.parametrize("name", list(MOE_WORLDS))
 def test_torchtitan_qwen3_and_deepseek_configs_pass_preflight(name: str, tokenizer_folder: Path) -> None:
     argv = ["--job.config_file", str(CONFIGS / f"{name}.toml"), "--model.hf_assets_path", str(tokenizer_folder)]
-    if name == "deepseek_v3_16b":  # its expert_parallel_degree = 8: expert parallelism is the next issue's
-        with pytest.raises(ValueError, match=r"^parallelism.expert_parallel_degree=8: expert parallelism is not"):
-            check_config(load_config(argv), MOE_WORLDS[name])
-        argv += ["--parallelism.expert_parallel_degree", "1"]
-    check_config(load_config(argv), MOE_WORLDS[name])
+    cfg = load_config(argv)
+    check_config(cfg, MOE_WORLDS[name])
+    if name == "deepseek_v3_16b":  # as written: expert parallelism over 8 ranks (etp 1) of its 64
+        assert (cfg.parallelism.expert_parallel_degree, cfg.parallelism.expert_tensor_parallel_degree) == (8, 1)
 
 
 def test_preflight_lists_every_unknown_key_at_once(tmp_path: Path) -> None:
@@ -91,7 +90,6 @@ def test_preflight_lists_every_unknown_key_at_once(tmp_path: Path) -> None:
         ("metrics.enable_wandb", "true"),
         ("fault_tolerance.enable", "true"),
         ("memory_estimation.enable", "true"),
-        ("parallelism.expert_parallel_degree", "2"),
         ("training.enable_cpu_offload", "true"),
         ("activation_checkpoint.mode", "memory_budget"),
         ("experimental.custom_import", "my.module"),
@@ -159,15 +157,26 @@ def _jsonl_corpus(path: Path) -> Path:
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("name", ["qwen3_moe_debug", "deepseek_v3_debug_model"])
-def test_torchtitan_moe_debug_configs_train_on_two_cpu_ranks(name: str, tmp_path: Path, tokenizer_folder: Path) -> None:
-    """Their TOMLs unchanged but for the tokenizer and the data; one step of one 64-token sequence per rank keeps
-    CI short (Qwen3's debug MoE has 64 experts in 8 layers: 316M parameters, FSDP moves 1.2 GB each way)."""
+@pytest.mark.parametrize(
+    "name, layout",
+    [
+        ("qwen3_moe_debug", ["--parallelism.expert_parallel_degree", "2"]),  # FSDP(2) x EP(2)
+        ("deepseek_v3_debug_model", ["--parallelism.expert_parallel_degree", "2",  # TP(2) x EP(2), etp 1
+                                     "--parallelism.tensor_parallel_degree", "2",
+                                     "--parallelism.data_parallel_shard_degree", "1"]),
+    ],
+)  # fmt: skip
+def test_torchtitan_moe_debug_configs_train_on_two_cpu_ranks_with_expert_parallelism(
+    name: str, layout: list[str], tmp_path: Path, tokenizer_folder: Path
+) -> None:
+    """Their TOMLs unchanged but for the tokenizer, the data and expert parallelism; one step of one 64-token
+    sequence per rank keeps CI short (Qwen3's debug MoE has 64 experts in 8 layers: 316M parameters, which EP keeps
+    off FSDP's all-gathers)."""
     data = _jsonl_corpus(tmp_path / "corpus.jsonl")
     args = [
         "--model.hf_assets_path", str(tokenizer_folder), "--training.dataset_path", str(data),
         "--job.dump_folder", str(tmp_path / "out"), "--training.steps", "1", "--training.seq_len", "64",
-        "--training.local_batch_size", "1",
+        "--training.local_batch_size", "1", *layout,
     ]  # fmt: skip
     env = {**os.environ, "NGPU": "2", "CONFIG_FILE": str(CONFIGS / f"{name}.toml")}
     run = subprocess.run(["./run_train.sh", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)

@@ -1,5 +1,6 @@
 """The dry run's command line: `python -m trainer.estimate --job.config_file F [--section.key value ...]
---world_size N --device {a100,h100,h200,b200,cpu} [--search] [--json]` (also `./run_train.sh --estimate`).
+--world_size N --device {a100,h100,h200,b200,cpu} [--search] [--json] [--routing_imbalance F]` (also
+`./run_train.sh --estimate`).
 
 One layout's estimate (`dry_run.estimate`) as a table or as docs/architecture.md §7's JSON object; with `--search`, the
 layouts `search.search` ranks, best first.
@@ -11,6 +12,8 @@ import argparse
 import json
 import logging
 import sys
+
+from parallelisms.parallel_dims import ParallelDims
 
 from ..config import JobConfig, load_config
 from .devices import GIB, gpus_per_node, lookup_device
@@ -28,7 +31,7 @@ def format_table(e: Estimate, cfg: JobConfig, *, margin: float) -> str:
     lines = [
         f"estimate: {cfg.model.name} {cfg.model.flavor} on {e.world_size} x {e.device.name} "
         f"({gpus_per_node()} per node) | dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} x cp {d.cp} x "
-        f"tp {d.tp} x pp {d.pp} | AC {e.ac_mode} | local batch {e.local_batch_size} x {cfg.training.seq_len}",
+        f"tp {d.tp} x pp {d.pp}{_ep(d)} | AC {e.ac_mode} | local batch {e.local_batch_size} x {cfg.training.seq_len}",
     ]
     for role in e.roles:
         lines += _role_lines(e, role, margin=margin, named=len(e.roles) > 1)
@@ -44,12 +47,16 @@ def format_table(e: Estimate, cfg: JobConfig, *, margin: float) -> str:
     lines.append(f"step time {t.step_s:.3f}s = compute {t.compute_s:.3f}s (at {e.device.efficiency:.0%} of "
                  f"{peaks} TFLOPS){bubble} + exposed comm ({exposed})")  # fmt: skip
     lines.append(f"tok/s per device {e.tokens_per_s_per_device:,.0f} | mfu {e.mfu:.1%}")
-    lines += moe_assumption(cfg)
+    lines += moe_assumption(cfg, d, e.routing_imbalance)
     lines += [f"warning: {w}" for w in e.warnings]
     return "\n".join(lines)
 
 
-def moe_assumption(cfg: JobConfig) -> list[str]:
+def _ep(d: ParallelDims) -> str:
+    return f" | ep {d.ep} (etp {d.etp})" if d.ep_enabled else ""
+
+
+def moe_assumption(cfg: JobConfig, dims: ParallelDims, routing_imbalance: float) -> list[str]:
     """What the estimate assumes of an MoE model's routing, which depends on the data it cannot see."""
     from models.registry import flavor_args, moe_args_of, n_moe_layers
 
@@ -57,11 +64,25 @@ def moe_assumption(cfg: JobConfig) -> list[str]:
     moe = moe_args_of(args)
     if moe is None:
         return []
-    return [
-        f"moe: {n_moe_layers(args)} layers x {moe.num_experts} experts, top {moe.top_k}: memory holds every expert, "
-        f"the model FLOPs count the {moe.top_k} active; each expert's grouped GEMM runs tokens x top_k rows in all, "
-        f"so balanced or not, routing costs the same here (without expert parallelism every rank holds every expert)"
-    ]
+    head = f"moe: {n_moe_layers(args)} layers x {moe.num_experts} experts, top {moe.top_k}: "
+    if not dims.ep_enabled:
+        return [
+            f"{head}memory holds every expert, the model FLOPs count the {moe.top_k} active; each expert's grouped "
+            f"GEMM runs tokens x top_k rows in all, so balanced or not, routing costs the same here (without expert "
+            f"parallelism every rank holds every expert)"
+        ]
+    if routing_imbalance == 1:
+        routing = (
+            "routing assumed balanced: each ep rank receives the mean, tokens x top_k rows "
+            "(--routing_imbalance F: the busiest receives F x the mean)"
+        )
+    else:
+        routing = (
+            f"routing imbalanced (--routing_imbalance {routing_imbalance:g}): the rank estimated is the busiest of its "
+            f"ep group, receiving {routing_imbalance:g} x the mean tokens x top_k rows; its expert activations, "
+            "grouped GEMMs and the all-to-alls that return their outputs scale with it"
+        )
+    return [f"{head}{moe.num_experts // dims.ep} experts per ep rank; {routing}"]
 
 
 def _role_lines(e: Estimate, role: Role, *, margin: float, named: bool) -> list[str]:
@@ -108,6 +129,11 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--memory_margin", type=float, default=0.1, help="device memory kept free, in [0, 1)")
     parser.add_argument("--top", type=int, default=5, help="--search: how many layouts to print (>= 1)")
     parser.add_argument(
+        "--routing_imbalance", type=float, default=1.0,
+        help="MoE under expert parallelism: the busiest ep rank receives this x the mean routed tokens, in "
+        "[1, ep] (1: balanced routing); its expert activations, grouped GEMMs and all-to-alls scale with it",
+    )  # fmt: skip
+    parser.add_argument(
         "--every_block", action="store_true",
         help="trace every block, not two short samples: the same live bytes, collectives and FLOPs (exact on a line), "
         "a closer reserved peak (the allocator's cache grows with the blocks; the samples read it 5-9%% low), "
@@ -124,6 +150,11 @@ def check_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"--memory_margin {args.memory_margin}: the fraction of device memory kept free, in [0, 1)")
     if args.top < 1:
         raise ValueError(f"--top {args.top}: how many of --search's layouts to print, >= 1")
+    if not args.routing_imbalance >= 1:
+        raise ValueError(
+            f"--routing_imbalance {args.routing_imbalance}: the busiest ep rank receives this x the mean routed "
+            "tokens, >= 1 (1: balanced)"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,11 +174,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.search:
             from .search import search
 
-            found = search(cfg, args.world_size, device, margin=args.memory_margin, argv=overrides)[: args.top]
+            found = search(cfg, args.world_size, device, margin=args.memory_margin, argv=overrides,
+                           routing_imbalance=args.routing_imbalance)[: args.top]  # fmt: skip
             print(json.dumps({"candidates": [{**e.as_json(), "overrides": o} for e, o in found]}, indent=2)
                   if args.json else format_candidates(found, cfg, margin=args.memory_margin))  # fmt: skip
             return 0
-        result = estimate(cfg, args.world_size, device, every_block=args.every_block)
+        result = estimate(
+            cfg, args.world_size, device, every_block=args.every_block, routing_imbalance=args.routing_imbalance
+        )
     except (ValueError, NotImplementedError, TypeError) as error:
         print(f"estimate: {error}", file=sys.stderr)
         return 2

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,7 @@ import torch.distributed as dist
 from models.decoder_parallelize import compile_supported
 from models.registry import job_model_args, model_family
 from parallelisms.dtensor.cost import CostModel, use_cost_model
+from parallelisms.expert_parallel.splits import assume_routing_imbalance
 from parallelisms.parallel_dims import ParallelDims
 
 from ..config.sections import JobConfig
@@ -34,6 +36,9 @@ from .sampling import trace_step_sampled
 from .trace import StepTrace, job_vocab_size
 
 logger = logging.getLogger(__name__)
+
+
+LAYOUT_DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "etp")  # the JSON's "layout"
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,7 @@ class Estimate:
     ac_mode: str
     local_batch_size: int
     warnings: tuple[str, ...] = ()  # what the layout wastes or risks, beside the numbers
+    routing_imbalance: float = 1.0  # under EP: the busiest ep rank receives this x the mean routed rows
 
     @property
     def critical(self) -> Role:
@@ -97,7 +103,8 @@ class Estimate:
             "world_size": self.world_size,
             "device": self.device.name,
             "warnings": list(self.warnings),
-            "layout": {"dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "cp": d.cp, "tp": d.tp, "pp": d.pp},
+            "layout": {name: getattr(d, name) for name in LAYOUT_DEGREES},
+            "routing_imbalance": self.routing_imbalance,
             "ranks": [
                 {
                     "role": r.name,
@@ -151,10 +158,18 @@ def roles_of(dims: ParallelDims, world_size: int) -> list[tuple[str, tuple[int, 
 
 
 def estimate(
-    cfg: JobConfig, world_size: int, device: Device, *, nodes_of: int | None = None, every_block: bool = False
+    cfg: JobConfig,
+    world_size: int,
+    device: Device,
+    *,
+    nodes_of: int | None = None,
+    every_block: bool = False,
+    routing_imbalance: float = 1.0,
 ) -> Estimate:
     """One layout: the config's degrees on `world_size` ranks of `device` (NGPU per node unless `nodes_of`);
-    `every_block`: trace every block instead of two samples (`trace_step_sampled`)."""
+    `every_block`: trace every block instead of two samples (`trace_step_sampled`); `routing_imbalance`: under
+    expert parallelism the traced rank is the busiest of its ep group, receiving this x the mean routed rows
+    (parallelisms/expert_parallel/splits.py)."""
     check_config(cfg, world_size, local_files=False)  # the job's tokenizer and data live on the cluster
     if cfg.model.converters and not device.float8_tflops:
         raise ValueError(
@@ -162,13 +177,14 @@ def estimate(
             f"(sm_89 or newer needed); set model.converters=[] or pick h100, h200 or b200"
         )
     dims = build_parallel_dims(cfg.parallelism, world_size)
+    check_routing_imbalance(routing_imbalance, dims)
     roles = []
     per_node = nodes_of or gpus_per_node()
     # the DTensor plans are the target's: priced with its backend's links and hosts of `per_node` ranks
     target_links = CostModel(backend="gloo" if device.name == "cpu" else "nccl", host_size=per_node)
     for name, ranks in roles_of(dims, world_size):
         init_fake_world(world_size, ranks[0])
-        with use_cost_model(target_links), warnings.catch_warnings():
+        with use_cost_model(target_links), assume_routing_imbalance(routing_imbalance), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # fake tensors' data_ptr deprecation, from code that caches by pointer
             mesh = dims.build_mesh("cpu")
             runtime = build_runtime(cfg, dims, mesh, torch.device("cpu"))  # the tensors: fake, on the CPU
@@ -181,8 +197,19 @@ def estimate(
         roles.append(Role(name, ranks, trace, time))
     return Estimate(
         world_size, device, dims, tuple(roles), cfg.activation_checkpoint.mode, cfg.training.local_batch_size,
-        warnings=padding_warnings(cfg, dims),
+        warnings=padding_warnings(cfg, dims), routing_imbalance=routing_imbalance,
     )  # fmt: skip
+
+
+def check_routing_imbalance(factor: float, dims: ParallelDims) -> None:
+    """The busiest ep rank receives between the mean rows (1) and every rank's rows (ep x the mean)."""
+    ceiling = dims.ep if dims.ep_enabled else math.inf
+    if not 1 <= factor <= ceiling:
+        bound = f"[1, expert_parallel_degree({dims.ep})]" if dims.ep_enabled else ">= 1"
+        raise ValueError(
+            f"--routing_imbalance {factor}: the busiest ep rank receives this x the mean routed tokens, so it lies "
+            f"in {bound}: the mean at least, at most every rank's tokens"
+        )
 
 
 # TP splits dim 1 of these, dim 0 of the other matrices; an MoE's experts (E, ...) keep dim 0 whole, its router too

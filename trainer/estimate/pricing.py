@@ -6,9 +6,11 @@
     comm_s(dim) = sum over its collectives of count x α + bytes sent / β               (α–β, as dtensor.cost)
 
 β and α are the device's NVLink figures when every group of the dim lies inside one node (NGPU ranks in a
-row, the mesh order pp, dp_replicate, dp_shard, cp, tp putting tp innermost), else its network's. Bytes
-sent per rank follow the ring volumes of parallelisms.dtensor.redistribute.RING_VOLUME, from the payload the
-rank hands the collective (an all-gather's payload is its shard, so it sends (n-1) x payload).
+row, the mesh order pp, dp_replicate, dp_shard, cp, tp putting tp innermost; under expert parallelism dp_shard
+is dp_shard_mod_ep, dp_shard_in_ep, and "ep" spans dp_shard_in_ep, cp and, with etp 1, tp:
+ParallelDims.mesh_dims), else its network's. Bytes sent per rank follow the ring volumes of
+parallelisms.dtensor.redistribute.RING_VOLUME, from the payload the rank hands the collective (an all-gather's
+payload is its shard, so it sends (n-1) x payload; an all-to-all's, its rows, sends (n-1)/n of them).
 
 float8 (models.float8): its matmuls' FLOPs run at the float8 peak, and every element cast to float8 costs
 memory traffic at the HBM bandwidth, FLOAT8_CAST_BYTES per element. Eager, a cast with its amax is three
@@ -23,8 +25,9 @@ backward two: compute x (makespan / the busiest rank's busy time). Point-to-poin
 their sends, exposed.
 
 Exposure: tensor- and context-parallel collectives sit on the critical path (no async TP): fully exposed
-(ring attention's passes overlap its block kernels in practice; the estimate does not credit that). A
-point-to-point pass is priced at its send; its receive costs nothing more.
+(ring attention's passes overlap its block kernels in practice; the estimate does not credit that), and so
+are expert parallelism's all-to-alls ("ep": the experts wait for their rows). A point-to-point pass is
+priced at its send; its receive costs nothing more.
 Data-parallel traffic (FSDP's all-gathers and reduce-scatters, HSDP's and DDP's all-reduces) overlaps the
 layers' compute, prefetched one layer ahead: exposed is what exceeds the compute, and at least the one
 layer's worth that cannot overlap (the first all-gather, the last reduce-scatter).
@@ -43,7 +46,8 @@ from .devices import Device
 from .trace import Collective, StepTrace
 
 FLOAT8_CAST_BYTES = {"eager": 12.2, "compiled": 5.0}  # per element cast (module docstring)
-OVERLAPPED = frozenset({"dp_replicate", "dp_shard", *FLATTENED})  # data-parallel dims: hidden behind compute
+# data-parallel dims (under EP also dp_shard's two mesh dims, FSDP's of the experts): hidden behind compute
+OVERLAPPED = frozenset({"dp_replicate", "dp_shard", "dp_shard_mod_ep", "dp_shard_in_ep", *FLATTENED})
 
 
 def _volume(kind: str, payload: float, n: int) -> float:
@@ -59,13 +63,30 @@ def _volume(kind: str, payload: float, n: int) -> float:
     return payload  # broadcast, scatter, gather, reduce: once
 
 
+def _base_dims(dims: ParallelDims, name: str) -> tuple[dict[str, int], tuple[str, ...]]:
+    """(every mesh dim in order with its degree, the ones `name` spans): a mesh dim, a flattened one, "world", or
+    under EP "dp_shard" (its two mesh dims there)."""
+    degrees, flattened = dims.mesh_dims()
+    if name == "world":
+        return degrees, tuple(degrees)
+    if name == "dp_shard" and name not in degrees:
+        return degrees, ("dp_shard_mod_ep", "dp_shard_in_ep")
+    return degrees, flattened.get(name, (name,))
+
+
 def dim_extent(dims: ParallelDims, name: str) -> tuple[int, int]:
     """(group size, stride between its ranks) of a mesh dim or flattened dim, in the mesh order."""
-    parts = FLATTENED.get(name, (name,)) if name != "world" else MESH_ORDER
-    size = math.prod(getattr(dims, d) for d in parts)
-    last = MESH_ORDER.index(parts[-1])
-    stride = math.prod(getattr(dims, d) for d in MESH_ORDER[last + 1 :])
+    degrees, parts = _base_dims(dims, name)
+    order = list(degrees)
+    size = math.prod(degrees[d] for d in parts)
+    stride = math.prod(degrees[d] for d in order[order.index(parts[-1]) + 1 :])
     return size, stride
+
+
+def priced_dim(dims: ParallelDims, name: str) -> str:
+    """The dim a collective's row is priced on: its own, or the world's for a group of no mesh dim ("other")."""
+    degrees, flattened = dims.mesh_dims()
+    return name if name in (*degrees, *flattened, *MESH_ORDER) else "world"
 
 
 def spans_nodes(dims: ParallelDims, name: str, gpus_per_node: int) -> bool:
@@ -88,7 +109,7 @@ def collective_seconds(c: Collective, dims: ParallelDims, device: Device, gpus_p
     """count x α + bytes sent / β of one row of the trace (a group not of the mesh is priced as the world)."""
     if c.kind.startswith("recv"):  # a point-to-point pass is priced once, at its send
         return 0.0
-    name = c.mesh_dim if c.mesh_dim in (*MESH_ORDER, *FLATTENED) else "world"
+    name = priced_dim(dims, c.mesh_dim)
     size, _ = dim_extent(dims, name)
     link = device.inter_node if spans_nodes(dims, name, gpus_per_node) else device.intra_node
     if size <= 1:
@@ -123,8 +144,7 @@ def price_step(
             exposed[dim] = max(seconds - compute_s, seconds / max(trace.n_layers, 1))
         else:
             exposed[dim] = seconds
-    known = (*MESH_ORDER, *FLATTENED)
-    inter = {dim: spans_nodes(dims, dim if dim in known else "world", gpus_per_node) for dim in comm}
+    inter = {dim: spans_nodes(dims, priced_dim(dims, dim), gpus_per_node) for dim in comm}
     return StepTime(compute_s, comm, exposed, inter, compute_s + bubble_s + sum(exposed.values()), bubble_s)
 
 

@@ -3,10 +3,11 @@
 Enumerates pp (a power of two leaving each stage at least two layers; the config's schedule), tp (a power
 of two up to the GPUs per node, dividing the heads), cp (a power of two up to MAX_CP that splits the
 sequence into 2 x cp x tp pieces), dp_replicate x dp_shard = the rest (dp_shard 1 is DDP, dp_replicate 1
-plain FSDP, between them HSDP), activation checkpointing none / selective / full, and the local batch for
-the job's global batch (training.global_batch_size, or the config's local batch x its dp degree): every
-local batch dividing it, largest first, stopping at the first that fits in the device memory less the
-margin (a smaller one only re-gathers FSDP's parameters more often). Each candidate is one
+plain FSDP, between them HSDP), for an MoE model ep (1, and each divisor of num_experts that ParallelDims
+accepts on that layout, with etp 1 and, under TP, etp = tp), activation checkpointing none / selective / full,
+and the local batch for the job's global batch (training.global_batch_size, or the config's local batch x its
+dp degree): every local batch dividing it, largest first, stopping at the first that fits in the device memory
+less the margin (a smaller one only re-gathers FSDP's parameters more often). Each candidate is one
 `trainer.estimate.dry_run.estimate`; the fitting ones are ranked by tok/s per device. A layout whose model state
 alone cannot fit is dropped before any estimate, and the layouts are estimated on one process per core.
 
@@ -22,9 +23,9 @@ import logging
 import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from models.registry import flavor_args
+from models.registry import flavor_args, moe_args_of
 
 from ..config import load_config, state_floor
 from ..config.sections import JobConfig
@@ -47,18 +48,24 @@ class Layout:
     cp: int
     tp: int
     pp: int
+    ep: int = 1
+    etp: int = 1
+    experts: bool = False  # an MoE model: the overrides set the ep keys too (the config's may not be 1)
 
     @property
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
 
     def overrides(self) -> list[str]:
+        ep = ["--parallelism.expert_parallel_degree", str(self.ep),
+              "--parallelism.expert_tensor_parallel_degree", str(self.etp)]  # fmt: skip
         return [
             "--parallelism.data_parallel_replicate_degree", str(self.dp_replicate),
             "--parallelism.data_parallel_shard_degree", str(self.dp_shard),
             "--parallelism.context_parallel_degree", str(self.cp),
             "--parallelism.tensor_parallel_degree", str(self.tp),
             "--parallelism.pipeline_parallel_degree", str(self.pp),
+            *(ep if self.experts or self.ep > 1 else []),
         ]  # fmt: skip
 
 
@@ -71,8 +78,10 @@ def _powers_of_two(n: int) -> list[int]:
 
 
 def layouts(cfg: JobConfig, world_size: int, per_node: int) -> list[Layout]:
-    """Every (dp_replicate, dp_shard, cp, tp, pp) for the model on `world_size` ranks (see the module doc)."""
+    """Every (dp_replicate, dp_shard, cp, tp, pp) for the model on `world_size` ranks (see the module doc), and for
+    an MoE model every (ep, etp) of each (`expert_layouts`)."""
     args = flavor_args(cfg.model.name, cfg.model.flavor)
+    moe = moe_args_of(args)
     kv_heads = getattr(args, "n_kv_heads", None) or args.n_heads
     seq = cfg.training.seq_len
     found = []
@@ -84,7 +93,21 @@ def layouts(cfg: JobConfig, world_size: int, per_node: int) -> list[Layout]:
                 if cp > 1 and seq % (2 * cp * tp):
                     continue
                 dp = world_size // (pp * tp * cp)
-                found += [Layout(r, dp // r, cp, tp, pp) for r in _divisors(dp)]
+                dense = [Layout(r, dp // r, cp, tp, pp) for r in _divisors(dp)]
+                found += dense if moe is None else [e for d in dense for e in expert_layouts(d, moe.num_experts)]
+    return found
+
+
+def expert_layouts(layout: Layout, num_experts: int) -> list[Layout]:
+    """`layout` without expert parallelism, and with each ep that divides `num_experts` and the ranks it borrows
+    (dp_shard x cp, x tp with etp 1) and spans whole cp (and, etp 1, tp) groups (ParallelDims' constraints), for
+    etp 1 and, under TP, etp = tp."""
+    found = [replace(layout, experts=True)]
+    for etp in sorted({1, layout.tp}):
+        whole = layout.cp * (layout.tp if etp == 1 else 1)
+        for ep in _divisors(layout.dp_shard * whole):
+            if ep > 1 and ep % whole == 0 and num_experts % ep == 0:
+                found.append(replace(layout, ep=ep, etp=etp, experts=True))
     return found
 
 
@@ -104,11 +127,13 @@ def search(
     margin: float,
     argv: list[str] | None = None,
     workers: int | None = None,
+    routing_imbalance: float = 1.0,
 ) -> list[tuple[Estimate, list[str]]]:
     """Every fitting candidate with the overrides that run it, best tok/s per device first. `argv`: the
     config's own command line (the candidates' overrides go after it); the default rebuilds it from `cfg`.
     Layouts whose model state cannot fit are dropped without an estimate (`state_bytes_lower_bound`); the
-    others are estimated on `workers` processes (default: one per core this process may use)."""
+    others are estimated on `workers` processes (default: one per core this process may use).
+    `routing_imbalance`: each expert-parallel candidate's (`dry_run.estimate`)."""
     check_names(cfg)  # the candidates' own estimates check the rest, each with its degrees
     base = argv if argv is not None else ["--job.config_file", cfg.job.config_file or ""]
     budget = device.memory_bytes * (1 - margin)
@@ -118,10 +143,10 @@ def search(
         layout for layout in layouts(cfg, world_size, gpus_per_node())
         if batch % layout.dp == 0 and state_bytes_lower_bound(cfg, n_params, layout) <= budget
     ]  # fmt: skip
-    families: dict[tuple[int, int, int], list[Layout]] = {}
+    families: dict[tuple[int, ...], list[Layout]] = {}
     for layout in sorted(todo, key=lambda layout: layout.dp_replicate):
-        families.setdefault((layout.pp, layout.tp, layout.cp), []).append(layout)
-    jobs = [(base, family, batch, world_size, device, budget) for family in families.values()]
+        families.setdefault((layout.pp, layout.tp, layout.cp, layout.ep, layout.etp), []).append(layout)
+    jobs = [(base, family, batch, world_size, device, budget, routing_imbalance) for family in families.values()]
     workers = min(workers or len(os.sched_getaffinity(0)), len(todo) // MIN_LAYOUTS_PER_WORKER)
     logger.info("%d layouts in %d families to estimate on %d processes", len(todo), len(jobs), max(workers, 1))
     if workers <= 1:
@@ -136,14 +161,15 @@ def search(
 
 
 def _search_family(
-    base: list[str], family: list[Layout], batch: int, world_size: int, device: Device, budget: float
-) -> list[tuple[Estimate, list[str]]]:
-    """The layouts of one (pp, tp, cp), the most sharded split of the data-parallel ranks first (dp_replicate
-    1): replicating more only adds model state per rank, so once a split cannot fit even its most frugal
-    candidate, no split after it can."""
+    base: list[str], family: list[Layout], batch: int, world_size: int, device: Device, budget: float,
+    routing_imbalance: float = 1.0,
+) -> list[tuple[Estimate, list[str]]]:  # fmt: skip
+    """The layouts of one (pp, tp, cp, ep, etp), the most sharded split of the data-parallel ranks first
+    (dp_replicate 1): replicating more only adds model state per rank, so once a split cannot fit even its most
+    frugal candidate, no split after it can."""
     found: list[tuple[Estimate, list[str]]] = []
     for layout in family:
-        candidates = _search_layout(base, layout, batch, world_size, device, budget)
+        candidates = _search_layout(base, layout, batch, world_size, device, budget, routing_imbalance)
         if candidates is None:
             break
         found += candidates
@@ -161,8 +187,9 @@ def _init_worker() -> None:
 
 
 def _search_layout(
-    base: list[str], layout: Layout, batch: int, world_size: int, device: Device, budget: float
-) -> list[tuple[Estimate, list[str]]] | None:
+    base: list[str], layout: Layout, batch: int, world_size: int, device: Device, budget: float,
+    routing_imbalance: float = 1.0,
+) -> list[tuple[Estimate, list[str]]] | None:  # fmt: skip
     """The fitting candidates of one layout: per AC mode (none first), the largest local batch that fits.
 
     The peak grows with the local batch and shrinks with more recomputation, so: the fastest candidate (no
@@ -176,7 +203,7 @@ def _search_layout(
 
     def run(ac: str, local: int) -> Estimate | None:
         if (ac, local) not in memo:
-            memo[ac, local] = _estimate(base, layout, batch, world_size, device, ac, local)
+            memo[ac, local] = _estimate(base, layout, batch, world_size, device, ac, local, routing_imbalance)
         return memo[ac, local]
 
     def fits(ac: str, local: int) -> bool:
@@ -214,13 +241,16 @@ def _overrides(layout: Layout, ac: str, local: int, batch: int) -> list[str]:
 
 
 def _estimate(
-    base: list[str], layout: Layout, batch: int, world_size: int, device: Device, ac: str, local: int
-) -> Estimate | None:
+    base: list[str], layout: Layout, batch: int, world_size: int, device: Device, ac: str, local: int,
+    routing_imbalance: float = 1.0,
+) -> Estimate | None:  # fmt: skip
     """One candidate's estimate; None when the pre-flight refuses it (logged)."""
     overrides = _overrides(layout, ac, local, batch)
     gc.collect()  # the last candidate's model, optimizer and meshes (reference cycles)
+    # rows move between ep ranks only, and the busiest receives at most every rank's: ep x the mean
+    imbalance = min(routing_imbalance, layout.ep)
     try:
-        result = estimate(load_config([*base, *overrides]), world_size, device)
+        result = estimate(load_config([*base, *overrides]), world_size, device, routing_imbalance=imbalance)
     except (ValueError, NotImplementedError) as error:
         logger.info("skipped %s: %s", " ".join(overrides), error)
         return None

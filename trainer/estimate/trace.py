@@ -29,7 +29,7 @@ from parallelisms.activation_checkpoint import ACMode
 from parallelisms.dtensor import DeviceMesh, DTensor
 from parallelisms.dtensor.debug import CommDebugMode, _defers_to_subclass, counted_collective
 from parallelisms.fsdp import MixedPrecisionPolicy
-from parallelisms.parallel_dims import FLATTENED
+from parallelisms.parallel_dims import FLATTENED, MESH_ORDER, ParallelDims
 
 from ..build import assemble_pipeline, build_job_optimizer, build_model, init_model, to_training_dtype
 from ..config.data_files import accumulation_steps
@@ -72,17 +72,35 @@ def _kind(key: Any) -> str:
     return str(getattr(key, "_qualified_op_name", key)).split("::")[-1]
 
 
-def group_names(mesh: DeviceMesh) -> dict[str, str]:
-    """Process group name -> the mesh dim it serves (flattened dims first, so a base dim's name wins)."""
+def group_names(mesh: DeviceMesh, dims: ParallelDims) -> dict[str, str]:
+    """Process group name -> the mesh dim it serves, in the layout's terms. A flattened dim goes by its one dim of
+    degree > 1 when it has one (dp_shard_cp without cp is "dp_shard"); a base dim's name wins over a flattened
+    one. Under expert parallelism dp_shard is two mesh dims, "dp_shard" together; alone they keep their names
+    where no other dim serves their group (FSDP of the experts: "dp_shard_mod_ep")."""
     names: dict[str, str] = {dist.group.WORLD.group_name: "world"}  # type: ignore[union-attr]
-    dims = mesh.mesh_dim_names or ()
+    mesh_dims = list(enumerate(mesh.mesh_dim_names or ()))
+    for i, dim in mesh_dims:
+        if dim not in MESH_ORDER:
+            names[mesh.get_group(i).group_name] = dim
     for flat, parts in FLATTENED.items():
-        present = [d for d in parts if d in dims]
+        present = [d for d in parts if getattr(dims, d) > 1]
         with contextlib.suppress(KeyError, ValueError, RuntimeError):  # one dim present: it goes by that dim's name
             names[mesh[flat].get_group().group_name] = present[0] if len(present) == 1 else flat
-    for i, dim in enumerate(mesh.mesh_dim_names or ()):
-        names[mesh.get_group(i).group_name] = dim
+    for i, dim in mesh_dims:
+        if dim in MESH_ORDER:
+            names[mesh.get_group(i).group_name] = dim
     return names
+
+
+def ep_group_name(mesh: DeviceMesh, dims: ParallelDims) -> str | None:
+    """The group of expert parallelism's all-to-alls (None without EP). It may serve other dims too (on 8 ranks,
+    ep 8 and dp_shard 8 are one group): an all-to-all on it is "ep", its other collectives go by `group_names`."""
+    return mesh["ep"].get_group().group_name if dims.ep_enabled else None
+
+
+def _groups_of(runtime: Runtime) -> tuple[dict[str, str], str | None]:
+    mesh, dims = runtime.world_mesh, runtime.parallel_dims
+    return group_names(mesh, dims), ep_group_name(mesh, dims)
 
 
 class _NoModuleTracking:
@@ -104,31 +122,35 @@ class MeshCommDebugMode(CommDebugMode):
     """CommDebugMode that also counts each collective under the mesh dim of its process group (and, to
     leave the step's memory as the trainer's, without attributing collectives to modules)."""
 
-    def __init__(self, groups: dict[str, str]) -> None:
+    def __init__(self, groups: dict[str, str], ep_group: str | None = None) -> None:
         super().__init__()
         self._modules = _NoModuleTracking()  # type: ignore[assignment]
         self.groups = groups
+        self.ep_group = ep_group  # all-to-alls on this group are expert parallelism's ("ep")
         self.by_dim: defaultdict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         counted = None if any(_defers_to_subclass(t) for t in types) else counted_collective(func, args)
         if counted is not None:
             key, nbytes = counted
-            dim = self._mesh_dim([*args, *(kwargs or {}).values()])
-            record = self.by_dim[(_kind(key), dim)]
+            kind = _kind(key)
+            dim = self._mesh_dim(kind, [*args, *(kwargs or {}).values()])
+            record = self.by_dim[(kind, dim)]
             record[0] += 1
             record[1] += nbytes
         return super().__torch_dispatch__(func, types, args, kwargs)
 
-    def _mesh_dim(self, values: list[Any]) -> str:
+    def _mesh_dim(self, kind: str, values: list[Any]) -> str:
         for v in values:
             if isinstance(v, torch.ScriptObject):  # how the dispatcher passes a ProcessGroup
                 with contextlib.suppress(RuntimeError, TypeError):
                     v = dist.ProcessGroup.unbox(v)
-            if isinstance(v, dist.ProcessGroup):
-                return self.groups.get(v.group_name, "other")
-            if isinstance(v, str) and v in self.groups:
-                return self.groups[v]
+            name = v.group_name if isinstance(v, dist.ProcessGroup) else v if isinstance(v, str) else None
+            if name is None or not (isinstance(v, dist.ProcessGroup) or name in self.groups or name == self.ep_group):
+                continue
+            if name == self.ep_group and kind.startswith("all_to_all"):
+                return "ep"
+            return self.groups.get(name, "other")
         return "other"
 
     def collectives(self) -> list[Collective]:
@@ -150,6 +172,21 @@ class RealTensorsStayReal(TorchDispatchMode):
             with _disable_current_modes():
                 return func(*args, **kwargs)
         return func(*args, **kwargs)
+
+
+class GroupedMMInAnyDtype(TorchDispatchMode):
+    """Fake tensors' `_grouped_mm` (torch's meta function) takes bfloat16 only, the CUDA kernel's fast path; the
+    kernel falls back to a loop of matmuls in float32 (and the CPU runs any dtype). An MoE's experts see float32
+    without FSDP's bfloat16 parameters (DDP, TP, PP or CP alone; mixed_precision_param = float32): their fake
+    grouped GEMM runs in bfloat16 and its output takes the inputs' dtype, the shape being the same."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not torch.ops.aten._grouped_mm.default or {args[0].dtype, args[1].dtype} == {torch.bfloat16}:
+            return func(*args, **kwargs)
+        a, b = args[0], args[1]
+        out = func(a.to(torch.bfloat16), b.to(torch.bfloat16), *args[2:], **kwargs)
+        return out.to(kwargs.get("out_dtype") or a.dtype)
 
 
 def _parallelize(cfg: JobConfig, runtime: Runtime, model: torch.nn.Module) -> None:
@@ -220,6 +257,7 @@ def _fake_tensors(fake: bool) -> contextlib.ExitStack:
     if fake:
         fakes.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
         fakes.enter_context(RealTensorsStayReal())
+        fakes.enter_context(GroupedMMInAnyDtype())
     return fakes
 
 
@@ -232,7 +270,7 @@ def trace_step(
     training = cfg.training
     n_layers = model.model_args.n_layers
     _parallelize(cfg, runtime, model)
-    comm = MeshCommDebugMode(group_names(runtime.world_mesh))
+    comm = MeshCommDebugMode(*_groups_of(runtime))
     with _fake_tensors(fake), track_live_bytes() as live:
         _allocate(cfg, model, runtime.device, fake=fake)
         optimizer = build_job_optimizer(cfg, model)
@@ -303,7 +341,7 @@ def trace_pipeline_step(
     parts, stage_ids = split_for_rank(runtime.pipeline, whole, pp_mesh.get_local_rank())
     for part in parts:
         _parallelize(cfg, runtime, part)
-    comm = MeshCommDebugMode(group_names(runtime.world_mesh))
+    comm = MeshCommDebugMode(*_groups_of(runtime))
     with _fake_tensors(fake), track_live_bytes() as live:
         for part in parts:
             _allocate(cfg, part, runtime.device, fake=fake)
