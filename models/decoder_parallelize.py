@@ -122,7 +122,7 @@ def apply_moe_tp(block: nn.Module, tp_mesh: DeviceMesh) -> None:
         ),
         "moe.router.gate": NoParallel(local_output_grad_placements=score_grad),
     }
-    if not isinstance(moe.experts.w1, DTensor):  # expert parallelism shards them otherwise (apply_ep)
+    if not isinstance(moe.get_submodule("experts").get_parameter("w1"), DTensor):  # else EP sharded them (apply_ep)
         plan["moe.experts"] = GroupedExpertsParallel()
     if moe.shared_experts is not None:
         plan |= {

@@ -29,14 +29,14 @@ from .splits import host_splits
 
 class _AllToAllRows(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, x: torch.Tensor, output_splits: list[int], input_splits: list[int], group: ProcessGroup
     ) -> torch.Tensor:
         ctx.splits, ctx.group = (input_splits, output_splits), group
         return all_to_all_rows(x, output_splits, input_splits, group)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         back_out, back_in = ctx.splits
         return all_to_all_rows(grad, back_out, back_in, ctx.group), None, None, None
 
@@ -45,7 +45,7 @@ def all_to_all_rows_autograd(
     x: torch.Tensor, output_splits: list[int], input_splits: list[int], group: ProcessGroup
 ) -> torch.Tensor:
     """`collectives.all_to_all_rows` with a gradient: the rows' gradients travel back the way the rows came."""
-    return _AllToAllRows.apply(x, output_splits, input_splits, group)  # type: ignore[no-any-return]
+    return _AllToAllRows.apply(x, output_splits, input_splits, group)
 
 
 def expert_major_order(received: torch.Tensor, total: int) -> torch.Tensor:

@@ -67,10 +67,15 @@ class ExpertParallel(ParallelStyle):
                 "ExpertParallel: token_split_mesh is for etp = 1 (ep spans tp); on an (ep, tp) mesh (etp = tp) the "
                 "tp ranks share their experts' tokens instead; pass one or the other"
             )
-        ep_mesh = device_mesh[device_mesh.mesh_dim_names[0]] if device_mesh.ndim == 2 else device_mesh
-        tp_mesh = device_mesh[device_mesh.mesh_dim_names[1]] if device_mesh.ndim == 2 else None
+        names = device_mesh.mesh_dim_names or ()
+        if device_mesh.ndim == 2 and len(names) != 2:
+            raise ValueError(f"ExpertParallel takes a named (ep, tp) mesh (world_mesh['ep', 'tp']), not {device_mesh}")
+        ep_mesh = device_mesh[names[0]] if device_mesh.ndim == 2 else device_mesh
+        tp_mesh = device_mesh[names[1]] if device_mesh.ndim == 2 else None
         _check_divisible(module, ep_mesh.size(), tp_mesh.size() if tp_mesh is not None else 1)
-        placements = {n: (Shard(0), Shard(h)) if tp_mesh is not None else (Shard(0),) for n, h in _HIDDEN_DIM.items()}
+        placements: dict[str, tuple[Placement, ...]] = {
+            n: (Shard(0), Shard(h)) if tp_mesh is not None else (Shard(0),) for n, h in _HIDDEN_DIM.items()
+        }
         ep_group = ep_mesh.get_group()
 
         def inputs(mod: nn.Module, args: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
