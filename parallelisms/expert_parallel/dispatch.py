@@ -65,13 +65,10 @@ def expert_major_order(received: torch.Tensor, total: int) -> torch.Tensor:
     return torch.arange(total, device=received.device) + shift
 
 
-def token_slice(
-    counts: torch.Tensor, index: int, parts: int, total: int | None = None
-) -> tuple[int, int, torch.Tensor]:
-    """Part `index` of `parts` of the M = counts.sum() rows sorted by expert (the ranks of a tp group, which route
-    the same tokens, split them so each row goes through the experts once): rows [lo, hi) and the count of each
-    expert's rows among them. `total`: M when the caller knows it (no host read; fake counts have no values)."""
-    total = int(counts.sum()) if total is None else total
+def token_slice(counts: torch.Tensor, index: int, parts: int, total: int) -> tuple[int, int, torch.Tensor]:
+    """Part `index` of `parts` of the `total` = counts.sum() rows sorted by expert (the ranks of a tp group, which
+    route the same tokens, split them so each row goes through the experts once): rows [lo, hi) and the count of
+    each expert's rows among them. `total` comes from the rows' shape: no host read (fake counts have no values)."""
     lo, hi = total * index // parts, total * (index + 1) // parts
     ends = counts.cumsum(0)
     starts = ends - counts

@@ -27,11 +27,11 @@ def test_expert_major_order_regroups_source_major_rows() -> None:
 
 def test_token_slice_cuts_the_rows_sorted_by_expert() -> None:
     counts = torch.tensor([3, 0, 4, 2])  # 9 rows: expert 0 rows 0-2, expert 2 rows 3-6, expert 3 rows 7-8
-    assert [(lo, hi, c.tolist()) for lo, hi, c in (token_slice(counts, i, 2) for i in range(2))] == [
+    assert [(lo, hi, c.tolist()) for lo, hi, c in (token_slice(counts, i, 2, 9) for i in range(2))] == [
         (0, 4, [3, 0, 1, 0]),
         (4, 9, [0, 0, 3, 2]),
     ]
-    lo, hi, c = token_slice(counts, 2, 3)  # uneven parts: 9 * 2 // 3 = 6 to 9
+    lo, hi, c = token_slice(counts, 2, 3, 9)  # uneven parts: 9 * 2 // 3 = 6 to 9
     assert (lo, hi, c.tolist()) == (6, 9, [0, 0, 1, 2])
 
 
