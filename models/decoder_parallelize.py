@@ -26,6 +26,7 @@ from parallelisms.activation_checkpoint import ACMode, apply_ac
 from parallelisms.context_parallel import RingAttention, RotateMethod, SequenceSharding
 from parallelisms.data_parallel import replicate
 from parallelisms.dtensor import DeviceMesh, DTensor, Partial, Replicate, Shard
+from parallelisms.dtensor.traceable import with_landed_inputs
 from parallelisms.expert_parallel import ExpertParallel
 from parallelisms.fsdp import MixedPrecisionPolicy, fully_shard
 from parallelisms.parallel_dims import ParallelDims
@@ -180,13 +181,10 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, rotate_method: RotateMeth
 
 def compile_supported(parallel_dims: ParallelDims) -> bool:
     """Whether the blocks can be compiled. Ring attention (CP) issues point-to-point and collective calls
-    from inside an autograd Function, which fullgraph compilation cannot trace. torch.compile cannot trace
-    our DTensor either, and TP makes every block parameter and activation one: with fullgraph=True dynamo
-    stops at the first
-    `DTensor.from_local` (TP's input hook), an autograd.Function whose DTensorSpec argument it cannot
-    proxy ("Missing `as_proxy()`"). FSDP alone is fine: its hooks run outside the compiled forward, which
-    sees only plain unsharded parameters. Under TP or CP the blocks stay eager (the pre-flight warns)."""
-    return not parallel_dims.tp_enabled and not parallel_dims.cp_enabled
+    from inside an autograd Function, which fullgraph compilation cannot trace: under CP the blocks stay
+    eager (the pre-flight warns). Our DTensor traces whole (parallelisms/dtensor/traceable.py), so TP
+    compiles."""
+    return not parallel_dims.cp_enabled
 
 
 def apply_compile(model: nn.Module, backend: str) -> None:
@@ -199,7 +197,7 @@ def apply_compile(model: nn.Module, backend: str) -> None:
     (after `to_empty` and init), and again only for a new grad mode (validation's no_grad) or shape.
     """
     for block in model.layers.values():  # type: ignore[operator]
-        block.forward = torch.compile(block.forward, backend=backend, fullgraph=True)
+        block.forward = with_landed_inputs(torch.compile(block.forward, backend=backend, fullgraph=True))
 
 
 def _retie(model: nn.Module) -> None:

@@ -11,6 +11,7 @@ from .device_mesh import DeviceMesh, _unpickle_mesh, current_mesh, init_device_m
 from .dtensor import DTensor, _rebuild_dtensor, distribute_module, distribute_tensor
 from .factories import empty, full, ones, rand, randn, zeros
 from .placements import Partial, Placement, Replicate, Shard, _StridedShard
+from .traceable import register_constants
 
 # torch.optim and clip_grad_norm_ take their fast foreach paths only for tensor types on these lists
 # (torch's own DTensor registers itself the same way); our foreach rules keep those paths sharded.
@@ -25,6 +26,8 @@ for _types in _foreach_type_lists:
 torch.serialization.add_safe_globals(
     [DTensor, _rebuild_dtensor, _unpickle_mesh, Shard, _StridedShard, Replicate, Partial]
 )
+
+register_constants()  # meshes and placements are torch.compile constants (traceable.py)
 
 __all__ = [
     "DTensor",

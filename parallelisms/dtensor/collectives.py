@@ -6,6 +6,11 @@ reduce_scatter, scatter) and sent unpadded where the collective takes split size
 Gloo has no AVG reduction, so "avg" is a SUM followed by a division on every backend; a p-norm
 partial ("norm2") is a SUM of |x|**p followed by the p-th root. Gloo's SUM reduce_scatter runs as an
 all_to_all and a local sum (`_reduce_scatter_single`).
+
+Under torch.compile's tracing (`traced()`), the same functions issue functional collectives
+(`torch.ops._c10d_functional`, each followed by its `wait_tensor`): they return new tensors and name
+their group by string, so the traced graph holds them (an in-place c10d call would capture the
+ProcessGroup object) and inductor may move them. `async_op` is then moot: the compiler schedules.
 """
 
 from __future__ import annotations
@@ -31,6 +36,35 @@ _REDUCE_OPS = {
     "min": dist.ReduceOp.MIN,
     "max": dist.ReduceOp.MAX,
 }
+
+
+_FUNCTIONAL_REDUCE_OPS = {"sum": "sum", "avg": "sum", "prod": "product", "min": "min", "max": "max"}
+_functional = torch.ops._c10d_functional
+
+
+def traced() -> bool:
+    """Whether torch.compile is tracing (dynamo's fake run or AOT autograd's): collectives go functional."""
+    return torch.compiler.is_compiling()
+
+
+def _functional_reduce_op(reduce_op: str) -> str:
+    return "sum" if norm_order(reduce_op) is not None else _FUNCTIONAL_REDUCE_OPS[reduce_op]
+
+
+def _traced_all_to_all(send: torch.Tensor, output_splits: list[int], input_splits: list[int], group: ProcessGroup):
+    out = _functional.all_to_all_single(send.contiguous(), output_splits, input_splits, group.group_name)
+    return _functional.wait_tensor(out)
+
+
+def _traced_reduce_scatter(stacked: torch.Tensor, reduce_op: str, group: ProcessGroup) -> torch.Tensor:
+    """`_reduce_scatter_single`'s result, functional: gloo's SUM as an all_to_all and a sum, as there."""
+    n = group.size()
+    if reduce_op == "sum" and stacked.device.type == "cpu" and dist.get_backend(group) == "gloo":
+        chunk = stacked.shape[0] // n
+        received = _traced_all_to_all(stacked, [chunk] * n, [chunk] * n, group)
+        return received.view(n, chunk, *stacked.shape[1:]).sum(0)
+    out = _functional.reduce_scatter_tensor(stacked.contiguous(), reduce_op, n, group.group_name)
+    return _functional.wait_tensor(out)
 
 
 def _pad_dim(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
@@ -110,6 +144,9 @@ def all_reduce(
     """
     local = wait_all(local)  # a collective reads its input now: an async result must have landed
     out = _start_reduce(local, reduce_op)
+    if traced():
+        out = _functional.wait_tensor(_functional.all_reduce(out, _functional_reduce_op(reduce_op), group.group_name))
+        return _finish_reduce(out, reduce_op, group_size)
     work = dist.all_reduce(out, op=_dist_op(reduce_op), group=group, async_op=async_op)
     return pending(work, out, lambda t: _finish_reduce(t, reduce_op, group_size))
 
@@ -142,7 +179,10 @@ def all_gather(
     padded = _pad_dim(local, dim, full).contiguous()
     out = padded.new_empty((n * padded.shape[0], *padded.shape[1:]))
     direct = dim == 0 and all(s == full for s in sizes)
-    work = dist.all_gather_single(out, padded, group=group, async_op=async_op and direct)
+    if traced():
+        out, work = _functional.wait_tensor(_functional.all_gather_into_tensor(padded, n, group.group_name)), None
+    else:
+        work = dist.all_gather_single(out, padded, group=group, async_op=async_op and direct)
     if direct:
         return pending(work, out)
     pieces = [c.narrow(dim, 0, s) for c, s in zip(out.chunk(n), sizes)]
@@ -169,6 +209,9 @@ def reduce_scatter(
     padded = _pad_dim(local, dim, full * n)
     stacked = padded if dim == 0 else torch.cat(padded.chunk(n, dim=dim), dim=0)
     stacked = stacked.contiguous()
+    if traced():
+        out = _finish_reduce(_traced_reduce_scatter(stacked, _functional_reduce_op(reduce_op), group), reduce_op, n)
+        return out.narrow(dim, 0, my_size).contiguous() if my_size != full else out
     out = stacked.new_empty((stacked.shape[0] // n, *stacked.shape[1:]))
     if async_op and my_size == full:
         work = _reduce_scatter_single(out, stacked, _dist_op(reduce_op), group, async_op=True)
@@ -196,14 +239,15 @@ def all_to_all(
     moved_dst = dst_dim + 1 if dst_dim < src_dim else dst_dim  # dst's index after the movedim
     send = torch.cat([p.reshape(-1) for p in leading.split(dst_sizes, dim=moved_dst)])
     my_dst = dst_sizes[index]
-    recv = send.new_empty(logical_shape[src_dim] * other * my_dst)
-    dist.all_to_all_single(
-        recv,
-        send,
-        output_split_sizes=[s * other * my_dst for s in src_sizes],
-        input_split_sizes=[src_sizes[index] * other * d for d in dst_sizes],
-        group=group,
-    )
+    output_splits = [s * other * my_dst for s in src_sizes]
+    input_splits = [src_sizes[index] * other * d for d in dst_sizes]
+    if traced():
+        recv = _traced_all_to_all(send, output_splits, input_splits, group)
+    else:
+        recv = send.new_empty(logical_shape[src_dim] * other * my_dst)
+        dist.all_to_all_single(
+            recv, send, output_split_sizes=output_splits, input_split_sizes=input_splits, group=group
+        )
     out_shape = list(leading.shape)
     out_shape[0], out_shape[moved_dst] = logical_shape[src_dim], my_dst
     return recv.view(out_shape).movedim(0, src_dim).contiguous()

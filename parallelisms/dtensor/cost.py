@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
+from torch.utils._python_dispatch import _disable_current_modes
+
 from .device_mesh import BACKEND_FOR_DEVICE
 
 if TYPE_CHECKING:
@@ -101,8 +103,9 @@ class CostModel:
 
 @lru_cache(maxsize=1024)
 def _spans_hosts(mesh: DeviceMesh, mesh_dim: int, host_size: int) -> bool:
-    lines = mesh.mesh.movedim(mesh_dim, -1).reshape(-1, mesh.shape[mesh_dim]) // host_size
-    return not bool((lines == lines[:, :1]).all())
+    with _disable_current_modes():  # the rank ids are real: under fake or traced tensors too (compile, dry run)
+        lines = mesh.mesh.movedim(mesh_dim, -1).reshape(-1, mesh.shape[mesh_dim]) // host_size
+        return not bool((lines == lines[:, :1]).all())
 
 
 # One object per distinct model, kept alive: plan caches key a model by its id, so equal models (the dry

@@ -40,6 +40,7 @@ from .redistribute import (
     redistribute_local,
 )
 from .spec import DTensorSpec, TensorMeta, contiguous_stride
+from .traceable import constant_tuple, from_local_in_graph
 from .transitions import check_target
 
 _make_wrapper = torch.Tensor._make_wrapper_subclass
@@ -156,6 +157,17 @@ class DTensor(torch.Tensor):
         In backward the grad is moved to `grad_placements` (default: ours with Partial -> Replicate,
         as torch does) and this rank's shard of it is returned.
         """
+        if torch.compiler.is_dynamo_compiling():  # one node of the graph; it runs this code on fake shards
+            mesh = device_mesh or _require_mesh("from_local")
+            return from_local_in_graph(
+                local_tensor,
+                mesh,
+                tuple(placements or [Replicate()] * mesh.ndim),
+                run_check,
+                constant_tuple(shape),
+                constant_tuple(stride),
+                constant_tuple(grad_placements),
+            )
         if isinstance(local_tensor, DTensor):
             raise ArgumentTypeError(
                 f"the local_tensor argument only accepts torch.Tensor but got {type(local_tensor)} value; "

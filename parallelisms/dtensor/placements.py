@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -32,6 +32,13 @@ class Placement:
 
     def is_partial(self, reduce_op: str | None = None) -> bool:
         return False
+
+    def __fx_repr__(self) -> tuple[str, dict[str, type]]:
+        """A constructor call that rebuilds this placement, and the names it needs: torch.compile writes
+        placements into its graphs as constants (traceable.py)."""
+        cls = type(self)
+        args = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self))  # type: ignore[arg-type]
+        return f"{cls.__name__}({args})", {cls.__name__: cls}
 
 
 @dataclass(frozen=True, slots=True)
