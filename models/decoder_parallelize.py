@@ -53,6 +53,7 @@ def parallelize_decoder(
     ac_mode: ACMode = "none",
     ac_selective_option: str = "op",
     ac_early_stop: bool = True,
+    ac_memory_budget: float = 0.5,
     ac_force_recompute_mm_fqns: tuple[str, ...] = ("moe.router.gate",),
     mp_policy: MixedPrecisionPolicy | None = None,
     reshard_after_forward: bool = True,
@@ -60,8 +61,8 @@ def parallelize_decoder(
     cp_rotate_method: RotateMethod = "allgather",
 ) -> nn.Module:
     """Apply TP -> CP -> AC -> compile -> FSDP / DDP to `model` in place, as `parallel_dims` asks; returns `model`.
-    `block_tp_plan` shards one block under TP. `compile_backend` (e.g. "inductor") compiles each block; None leaves
-    the model eager, and so does TP and CP (`compile_supported`). `ac_selective_option` / `ac_early_stop`: see
+    `block_tp_plan` shards one block under TP. `compile_backend` (e.g. "inductor") compiles each block, in every
+    layout; None leaves the model eager. `ac_selective_option` / `ac_early_stop` / `ac_memory_budget`: see
     `apply_ac`. `cp_rotate_method`: how ring attention moves K/V under context parallelism."""
     if parallel_dims.ep_enabled:
         apply_ep(model, parallel_dims, world_mesh)
@@ -70,9 +71,9 @@ def parallelize_decoder(
     if parallel_dims.cp_enabled:
         apply_cp(model, world_mesh["cp"], rotate_method=cp_rotate_method)
     apply_ac(model, ac_mode, selective_option=ac_selective_option, early_stop=ac_early_stop,
-             force_recompute_mm_fqns=ac_force_recompute_mm_fqns)  # fmt: skip
-    if compile_backend is not None and compile_supported(parallel_dims):
-        apply_compile(model, compile_backend)
+             force_recompute_mm_fqns=ac_force_recompute_mm_fqns, memory_budget=ac_memory_budget)  # fmt: skip
+    if compile_backend is not None:
+        apply_compile(model, compile_backend, experts_eager=parallel_dims.ep_enabled)
     dp_mesh = data_parallel_mesh(parallel_dims, world_mesh)
     if dp_mesh is not None:
         experts = experts_fsdp(parallel_dims, world_mesh)
@@ -179,15 +180,7 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, rotate_method: RotateMeth
         block.attention.core_attention = ring
 
 
-def compile_supported(parallel_dims: ParallelDims) -> bool:
-    """Whether the blocks can be compiled. Ring attention (CP) issues point-to-point and collective calls
-    from inside an autograd Function, which fullgraph compilation cannot trace: under CP the blocks stay
-    eager (the pre-flight warns). Our DTensor traces whole (parallelisms/dtensor/traceable.py), so TP
-    compiles."""
-    return not parallel_dims.cp_enabled
-
-
-def apply_compile(model: nn.Module, backend: str) -> None:
+def apply_compile(model: nn.Module, backend: str, *, experts_eager: bool = False) -> None:
     """torch.compile each block's forward (torchtitan's per-block compile; the blocks are identical,
     so one graph serves them all), with fullgraph=True so a graph break is an error, not a slow path.
 
@@ -195,9 +188,24 @@ def apply_compile(model: nn.Module, backend: str) -> None:
     fully_shard hooks applied after this (all-gather before forward, reshard after) run outside
     the compiled region, and parameter names do not change. Compiling happens at the first call
     (after `to_empty` and init), and again only for a new grad mode (validation's no_grad) or shape.
+
+    `experts_eager` (expert parallelism): the experts move tokens with splits only the data knows and hold
+    an FSDP group of their own, whose hooks a compiled block would have to trace. Each MoE block then compiles
+    its other parts one by one (attention, norms, router, shared experts) and runs the experts eager, as
+    torchtitan does.
     """
     for block in model.layers.values():  # type: ignore[operator]
-        block.forward = with_landed_inputs(torch.compile(block.forward, backend=backend, fullgraph=True))
+        moe = getattr(block, "moe", None)
+        if experts_eager and moe is not None:
+            for child in [*block.children(), *moe.children()]:
+                if child is not moe and child is not moe.experts:
+                    _compile_forward(child, backend)
+        else:
+            _compile_forward(block, backend)
+
+
+def _compile_forward(module: nn.Module, backend: str) -> None:
+    module.forward = with_landed_inputs(torch.compile(module.forward, backend=backend, fullgraph=True))
 
 
 def _retie(model: nn.Module) -> None:

@@ -7,6 +7,9 @@ Modes:
                  of attention, `max` and every other matmul of a block (the 1st, 3rd, ...), recompute the
                  rest (the other matmuls, pointwise and norm ops) in backward; with an int N: full
                  checkpointing of every N-th block (torchtitan's layer SAC).
+    "memory_budget"  nothing wrapped: torch.compile's min-cut partitioner chooses what the compiled blocks
+                 save, keeping their activations within `memory_budget` (0: recompute all, 1: save all) of
+                 what saving everything would take (torchtitan's; needs the blocks compiled).
 
 Blocks are checkpointed by replacing their `forward` on the instance, not by wrapping them in a
 new module, so parameter names (and so checkpoints and plans keyed by them) do not change.
@@ -30,8 +33,8 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-ACMode = Literal["none", "full", "selective"]
-AC_MODES = ("none", "full", "selective")
+ACMode = Literal["none", "full", "selective", "memory_budget"]
+AC_MODES = ("none", "full", "selective", "memory_budget")
 
 aten = torch.ops.aten
 # ops whose outputs selective checkpointing keeps (their recomputation would cost the most), as torchtitan's
@@ -64,6 +67,7 @@ def apply_ac(
     selective_option: str = "op",
     early_stop: bool = True,
     force_recompute_mm_fqns: Sequence[str] = (),
+    memory_budget: float = 0.5,
 ) -> nn.Module:
     """Checkpoint the blocks of `model.layers` (an nn.ModuleDict or nn.ModuleList) in place.
 
@@ -73,11 +77,16 @@ def apply_ac(
     `force_recompute_mm_fqns` (torchtitan's `per_op_sac_force_recompute_mm_shapes_by_fqns`, default an MoE's
     router gate): under "op", the matmuls by these linears' weights are always recomputed and do not take a
     turn in the every-other-matmul count (a router's small matmul would otherwise take the turn of a big one).
+    `memory_budget`: mode "memory_budget"'s fraction (torchtitan's `activation_checkpoint.memory_budget`).
     """
     if mode not in AC_MODES:
         raise ValueError(
             f"activation checkpoint mode {mode!r} is not one of {AC_MODES}; fix activation_checkpoint.mode"
         )
+    if mode == "memory_budget":
+        # process-wide, as torchtitan sets it: the partitioner reads it when each compiled block traces
+        torch._functorch.config.activation_memory_budget = memory_budget
+        return model
     if mode == "none":
         return model
     every = 1 if mode == "full" or selective_option == "op" else int(selective_option)

@@ -124,7 +124,8 @@ def build_parallel_model(cfg: JobConfig, runtime: Runtime, vocab_size: int) -> n
         parallelize(
             part, runtime.parallel_dims, runtime.world_mesh, loss_parallel=runtime.loss_parallel,
             ac_mode=cast(ACMode, ac.mode),
-            ac_selective_option=ac.selective_ac_option, ac_early_stop=ac.early_stop, mp_policy=mp_policy,
+            ac_selective_option=ac.selective_ac_option, ac_early_stop=ac.early_stop, ac_memory_budget=ac.memory_budget,
+            mp_policy=mp_policy,
             ac_force_recompute_mm_fqns=tuple(ac.per_op_sac_force_recompute_mm_shapes_by_fqns),
             reshard_after_forward=reshard,
             compile_backend=cfg.compile.backend if cfg.compile.enable and "model" in cfg.compile.components else None,

@@ -139,18 +139,6 @@ def _feature_warnings(cfg: JobConfig, pipeline: PipelineSetup | None) -> list[st
             "parallelism.enable_async_tensor_parallel=true has no effect here: TP runs its collectives "
             "synchronously (async TP needs torch.compile of the TP blocks); results are the same"
         )
-    if cfg.compile.enable and "model" in cfg.compile.components and p.tensor_parallel_degree > 1:
-        warnings.append(
-            f"compile.enable=true with parallelism.tensor_parallel_degree({p.tensor_parallel_degree}) > 1: the "
-            f"blocks run eager (torch.compile cannot trace meshtrain's DTensor, which TP makes every block "
-            f"activation); set compile.enable=false to silence this"
-        )
-    if cfg.compile.enable and "model" in cfg.compile.components and p.context_parallel_degree > 1:
-        warnings.append(
-            f"compile.enable=true with parallelism.context_parallel_degree({p.context_parallel_degree}) > 1: the "
-            f"blocks run eager (ring attention communicates inside an autograd Function, which torch.compile "
-            f"cannot trace whole); set compile.enable=false to silence this"
-        )
     return warnings
 
 
@@ -167,9 +155,8 @@ _UNAVAILABLE: list[tuple[str, Callable[[Any], bool], str]] = [
     ("training.enable_cpu_offload", bool, "FSDP CPU offload is not implemented; set it to false"),
     ("parallelism.enable_compiled_autograd", bool, "compiled autograd is not supported; set it to false"),
     ("checkpoint.initial_load_in_hf_quantized", bool, "quantized HF weights cannot be loaded; set it to false"),
-    ("activation_checkpoint.mode", lambda v: v == "memory_budget",
-     "memory_budget needs torch.compile's min-cut partitioner, which cannot trace meshtrain's DTensor; use "
-     "'selective' or 'full'"),
+    ("activation_checkpoint.visualize_memory_budget_pareto", bool, "the partitioner's pareto plot is not "
+     "drawn here; set it to false"),
 ]  # fmt: skip
 
 
@@ -212,7 +199,18 @@ def _check_unavailable(cfg: JobConfig) -> None:
         get_schedule(p.pipeline_parallel_schedule)
     except ValueError as e:
         raise ValueError(f"parallelism.pipeline_parallel_schedule={p.pipeline_parallel_schedule!r}: {e}") from None
-    option = cfg.activation_checkpoint.selective_ac_option
+    ac = cfg.activation_checkpoint
+    if ac.mode == "memory_budget" and not (cfg.compile.enable and "model" in cfg.compile.components):
+        raise ValueError(
+            "activation_checkpoint.mode='memory_budget' needs the blocks compiled (torch.compile's min-cut "
+            "partitioner chooses what they save): set compile.enable=true with \"model\" in compile.components"
+        )
+    if ac.mode == "memory_budget" and not 0.0 <= ac.memory_budget <= 1.0:
+        raise ValueError(
+            f"activation_checkpoint.memory_budget={ac.memory_budget}: expected a fraction in [0, 1] (0 recomputes "
+            f"everything, 1 saves everything)"
+        )
+    option = ac.selective_ac_option
     if option != "op" and not (option.isdigit() and int(option) >= 1):
         raise ValueError(
             f"activation_checkpoint.selective_ac_option={option!r}: expected 'op' (op-level selective "

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from parallelisms.dtensor.traceable import with_landed_inputs
 from parallelisms.tensor_parallel import loss_parallel
 
 IGNORE_INDEX = -100  # cross_entropy's default: such targets count neither in the loss nor in its divisor
@@ -23,11 +24,11 @@ def summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Te
 
 
 def build_cross_entropy(compile_backend: str | None) -> CrossEntropy:
-    """The loss function, torch.compile'd with `compile_backend` (compile.components has "loss"; not
-    under loss parallelism, whose vocabulary-sharded logits are DTensors dynamo cannot trace)."""
+    """The loss function, torch.compile'd whole with `compile_backend` (compile.components has "loss"), under
+    loss parallelism too: its vocabulary-sharded logits are DTensors, traced like any (dtensor/traceable.py)."""
     if compile_backend is None:
         return summed_cross_entropy
-    return torch.compile(summed_cross_entropy, backend=compile_backend)
+    return with_landed_inputs(torch.compile(summed_cross_entropy, backend=compile_backend, fullgraph=True))
 
 
 def token_loss_sum(

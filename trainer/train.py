@@ -327,7 +327,7 @@ def bind_train_step(cfg: JobConfig, runtime: Runtime, c: Components) -> Callable
             pipeline, c.optimizer, local, targets=targets, grad_average_size=average, max_norm=max_norm,
             use_loss_parallel=loss_parallel,
         )  # fmt: skip
-    compile_loss = cfg.compile.enable and "loss" in cfg.compile.components and not loss_parallel
+    compile_loss = cfg.compile.enable and "loss" in cfg.compile.components
     cross_entropy = build_cross_entropy(cfg.compile.backend if compile_loss else None)
     model, skip, autocast = c.model, cfg.training.skip_nonfinite_steps, runtime.precision.autocast
     return lambda local, targets: train_step(

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .grouped_mm import grouped_mm
 from .feed_forward import FeedForward
 from .moe_args import MoEArgs
 
@@ -86,9 +87,9 @@ def grouped_swiglu(
     """SwiGLU experts over tokens sorted by expert: the first counts[0] rows of `x` (M, D) go through expert 0's
     w1, w3 (E, H, D) and w2 (E, D, H), the next counts[1] through expert 1's, ...; three grouped GEMMs in all."""
     offsets = counts.cumsum(0, dtype=torch.int32)
-    h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets))
-    h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offsets)
-    return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offsets)
+    h = F.silu(grouped_mm(x, w1.transpose(-2, -1), offsets))
+    h = h * grouped_mm(x, w3.transpose(-2, -1), offsets)
+    return grouped_mm(h, w2.transpose(-2, -1), offsets)
 
 
 def looped_swiglu(
@@ -126,8 +127,9 @@ class GroupedExperts(nn.Module):
 
 def _in_backward() -> bool:
     """Whether autograd is running a backward pass now: activation checkpointing then recomputes a forward,
-    whose routing must not count twice."""
-    return torch._C._current_graph_task_id() != -1
+    whose routing must not count twice. A compiled block traces its forward once (a recomputation is part of
+    its backward graph), so there it is never in backward."""
+    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
 
 
 class MoE(nn.Module):

@@ -11,7 +11,6 @@ from models.decoder_parallelize import (
     apply_compile,
     apply_cp,
     apply_fsdp,
-    compile_supported,
     data_parallel_mesh,
     parallelize_decoder,
 )
@@ -31,7 +30,6 @@ __all__ = [
     "apply_fsdp",
     "apply_tp",
     "block_tp_plan",
-    "compile_supported",
     "data_parallel_mesh",
     "parallelize_llama",
 ]

@@ -69,8 +69,16 @@ class PendingPass:
 
 
 def start_pass(tensor: torch.Tensor, ring: RingGroup) -> PendingPass:
-    """Send `tensor` to the next rank and receive the previous rank's (same shape and dtype)."""
+    """Send `tensor` to the next rank and receive the previous rank's (same shape and dtype). Under
+    torch.compile's tracing the pass is one functional all-to-all that sends only to the next rank
+    (point-to-point calls have no functional form), complete when it returns."""
     sent = tensor.contiguous()
+    if collectives.traced():
+        n, numel = ring.size, sent.numel()
+        sends = [numel if r == (ring.rank + 1) % n else 0 for r in range(n)]
+        receives = [numel if r == (ring.rank - 1) % n else 0 for r in range(n)]
+        received = collectives.traced_all_to_all(sent.view(-1), receives, sends, ring.group).view_as(sent)
+        return PendingPass(sent, received, [], ring.group)
     received = torch.empty_like(sent)
     ops = [
         dist.P2POp(dist.isend, sent, ring.next_peer, ring.group),

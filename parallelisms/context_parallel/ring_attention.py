@@ -16,6 +16,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from parallelisms.dtensor.device_mesh import DeviceMesh
+from parallelisms.dtensor.traceable import register_graph_constant
 
 from .blocks import Block, attention_block, ring_sources
 from .exchange import PendingPass, RingGroup, all_gather_blocks, reduce_scatter_blocks, start_pass
@@ -28,7 +29,8 @@ ROTATE_METHODS: tuple[RotateMethod, ...] = ("allgather", "alltoall")
 
 @dataclass(frozen=True)
 class RingPlan:
-    """What one rank's ring attention does: its group, the mask, the split, how K/V travel, the kernel."""
+    """What one rank's ring attention does: its group, the mask, the split, how K/V travel, the kernel. A
+    constant of compiled graphs, by reference (`register_graph_constant`)."""
 
     ring: RingGroup
     causal: bool
@@ -43,6 +45,9 @@ class RingPlan:
             (src, attention_block(rank, src, causal=self.causal, load_balance=self.load_balance))
             for src in ring_sources(rank, self.ring.size)
         ]
+
+
+register_graph_constant(RingPlan)
 
 
 class KVSource:
@@ -216,5 +221,11 @@ class RingAttention:
                 f"ring attention: a load-balanced shard holds two equal chunks, but this rank has {q.shape[2]} "
                 f"tokens (odd); the sequence length must divide by 2 x the context parallel degree"
             )
-        scale = q.shape[-1] ** -0.5
-        return _RingAttentionFunction.apply(q, k, v, self.plan, scale)
+        return ring_attention(q, k, v, self.plan, q.shape[-1] ** -0.5)
+
+
+@torch._dynamo.allow_in_graph
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan, scale: float) -> torch.Tensor:
+    """Ring attention as one call of a compiled graph (the plan a constant of it): AOT autograd traces its
+    forward and backward, whose collectives are then functional (exchange.py)."""
+    return _RingAttentionFunction.apply(q, k, v, plan, scale)

@@ -51,7 +51,10 @@ def _functional_reduce_op(reduce_op: str) -> str:
     return "sum" if norm_order(reduce_op) is not None else _FUNCTIONAL_REDUCE_OPS[reduce_op]
 
 
-def _traced_all_to_all(send: torch.Tensor, output_splits: list[int], input_splits: list[int], group: ProcessGroup):
+def traced_all_to_all(
+    send: torch.Tensor, output_splits: list[int], input_splits: list[int], group: ProcessGroup
+) -> torch.Tensor:
+    """all_to_all_single as a functional collective and its wait (rows of dim 0 by the splits)."""
     out = _functional.all_to_all_single(send.contiguous(), output_splits, input_splits, group.group_name)
     return _functional.wait_tensor(out)
 
@@ -61,7 +64,7 @@ def _traced_reduce_scatter(stacked: torch.Tensor, reduce_op: str, group: Process
     n = group.size()
     if reduce_op == "sum" and stacked.device.type == "cpu" and dist.get_backend(group) == "gloo":
         chunk = stacked.shape[0] // n
-        received = _traced_all_to_all(stacked, [chunk] * n, [chunk] * n, group)
+        received = traced_all_to_all(stacked, [chunk] * n, [chunk] * n, group)
         return received.view(n, chunk, *stacked.shape[1:]).sum(0)
     out = _functional.reduce_scatter_tensor(stacked.contiguous(), reduce_op, n, group.group_name)
     return _functional.wait_tensor(out)
@@ -242,7 +245,7 @@ def all_to_all(
     output_splits = [s * other * my_dst for s in src_sizes]
     input_splits = [src_sizes[index] * other * d for d in dst_sizes]
     if traced():
-        recv = _traced_all_to_all(send, output_splits, input_splits, group)
+        recv = traced_all_to_all(send, output_splits, input_splits, group)
     else:
         recv = send.new_empty(logical_shape[src_dim] * other * my_dst)
         dist.all_to_all_single(

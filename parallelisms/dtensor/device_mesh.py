@@ -330,12 +330,6 @@ class DeviceMesh:
         names = f", mesh_dim_names={self.mesh_dim_names}" if self.mesh_dim_names else ""
         return f"DeviceMesh({self.device_type!r}, {self.mesh.tolist()}{names})"
 
-    def __fx_repr__(self) -> tuple[str, dict[str, object]]:
-        """How torch.compile's graphs name this mesh, a constant in them (traceable.py): a lookup of this very
-        object, since a mesh holds process groups and cannot be rebuilt from a string."""
-        _graph_meshes[id(self)] = self
-        return f"graph_mesh({id(self)})", {"graph_mesh": graph_mesh}
-
 
 # --------------------------------------------------------------------------------------------------
 # process-wide state: torch keeps both too (its _mesh_resources), since `with mesh:` and unpickling
@@ -370,14 +364,6 @@ class _LiveRoots:
 
 _current = _MeshStack()
 _live_roots = _LiveRoots()
-
-
-# The meshes torch.compile's graphs name (DeviceMesh.__fx_repr__), held for the life of the process as the graphs are.
-_graph_meshes: dict[int, DeviceMesh] = {}
-
-
-def graph_mesh(key: int) -> DeviceMesh:
-    return _graph_meshes[key]
 
 
 def current_mesh() -> DeviceMesh | None:

@@ -27,6 +27,7 @@ import torch
 from torch._library.opaque_object import MemberType, is_opaque_type, register_opaque_type
 
 from .device_mesh import DeviceMesh
+from .graph_constants import fx_repr_by_reference
 from .placements import Partial, Placement, Replicate, Shard, _StridedShard
 
 _PLACEMENT_MEMBERS = ("is_shard", "is_replicate", "is_partial", "__eq__")
@@ -45,14 +46,21 @@ _MESH_MEMBERS = (
 )
 
 
-def register_constants() -> None:
-    """Make meshes and placements compile-time constants of torch.compile (once per process)."""
-    if is_opaque_type(DeviceMesh):
+def register_graph_constant(cls: type, members: Sequence[str] = ()) -> None:
+    """Make instances of `cls` constants of compiled graphs: guarded on equality, held by reference
+    (graph_constants.py) unless `cls` defines its own `__fx_repr__`; `members` are read at compile time."""
+    if is_opaque_type(cls):
         return
-    real = MemberType.USE_REAL
-    register_opaque_type(DeviceMesh, typ="value", members=dict.fromkeys(_MESH_MEMBERS, real))
+    if not hasattr(cls, "__fx_repr__"):
+        cls.__fx_repr__ = fx_repr_by_reference  # type: ignore[attr-defined]
+    register_opaque_type(cls, typ="value", members=dict.fromkeys(members, MemberType.USE_REAL))
+
+
+def register_constants() -> None:
+    """Make meshes and placements constants of torch.compile's graphs (once per process)."""
+    register_graph_constant(DeviceMesh, _MESH_MEMBERS)
     for cls, fields in _PLACEMENT_FIELDS.items():
-        register_opaque_type(cls, typ="value", members=dict.fromkeys(_PLACEMENT_MEMBERS + fields, real))
+        register_graph_constant(cls, _PLACEMENT_MEMBERS + fields)
 
 
 @torch._dynamo.allow_in_graph

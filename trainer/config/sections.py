@@ -268,7 +268,7 @@ class Checkpoint:
 class ActivationCheckpoint:
     mode: Literal["selective", "full", "memory_budget", "none"] = "none"
     """Activation checkpointing of transformer blocks: none, full, selective (see selective_ac_option), or
-    memory_budget (needs torch.compile's min-cut partitioner: not supported)."""
+    memory_budget (compiled blocks only: torch.compile's min-cut partitioner chooses what they save)."""
     selective_ac_option: str = "2"
     """With mode=selective: an int N checkpoints every N-th block fully, "op" saves only the matmul and
     attention outputs of every block and recomputes the rest."""
@@ -278,7 +278,7 @@ class ActivationCheckpoint:
     early_stop: bool = False
     """Stop each recomputation once the tensors backward needs are rebuilt (torch.utils.checkpoint's early stop)."""
     memory_budget: float = 0.5
-    """With mode=memory_budget: the activation memory budget (not supported)."""
+    """With mode=memory_budget: the fraction of saving everything the compiled blocks may keep (0: recompute all)."""
     visualize_memory_budget_pareto: bool = False
     """With mode=memory_budget: plot the pareto front (not supported)."""
 
@@ -286,7 +286,7 @@ class ActivationCheckpoint:
 @dataclass(kw_only=True)
 class Compile:
     enable: bool = False
-    """torch.compile the components below (FSDP / HSDP / one process; under TP it is skipped with a warning)."""
+    """torch.compile the components below with fullgraph=True, in every layout (our DTensor traces whole)."""
     components: list[Literal["model", "loss"]] = field(default_factory=lambda: ["model", "loss"])
     """What compile.enable compiles: "model" (each transformer block) and "loss" (the cross-entropy)."""
     backend: str = "inductor"

@@ -21,7 +21,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from models.decoder_parallelize import compile_supported
 from models.registry import job_model_args, model_family
 from parallelisms.dtensor.cost import CostModel, use_cost_model
 from parallelisms.expert_parallel.splits import assume_routing_imbalance
@@ -192,7 +191,7 @@ def estimate(
             runtime = dataclasses.replace(runtime, precision=precision)  # the dtypes: the target device's
             stretch = 1.0 if runtime.pipeline is None else pipeline_stretch(runtime.pipeline)
             trace = trace_step_sampled(cfg, runtime, every_block=every_block)
-        compiled = cfg.compile.enable and "model" in cfg.compile.components and compile_supported(dims)
+        compiled = cfg.compile.enable and "model" in cfg.compile.components
         time = price_step(trace, dims, device, per_node, pipeline_stretch=stretch, compiled=compiled)
         roles.append(Role(name, ranks, trace, time))
     return Estimate(
