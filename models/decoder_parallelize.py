@@ -26,7 +26,7 @@ from parallelisms.activation_checkpoint import ACMode, apply_ac
 from parallelisms.context_parallel import RingAttention, RotateMethod, SequenceSharding
 from parallelisms.data_parallel import replicate
 from parallelisms.dtensor import DeviceMesh, DTensor, Partial, Replicate, Shard
-from parallelisms.dtensor.traceable import with_landed_inputs
+from parallelisms.dtensor.traceable import compile_whole
 from parallelisms.expert_parallel import ExpertParallel
 from parallelisms.fsdp import MixedPrecisionPolicy, fully_shard
 from parallelisms.parallel_dims import ParallelDims
@@ -205,7 +205,7 @@ def apply_compile(model: nn.Module, backend: str, *, experts_eager: bool = False
 
 
 def _compile_forward(module: nn.Module, backend: str) -> None:
-    module.forward = with_landed_inputs(torch.compile(module.forward, backend=backend, fullgraph=True))
+    module.forward = compile_whole(module.forward, backend)
 
 
 def _retie(model: nn.Module) -> None:

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallelisms.dtensor.traceable import with_landed_inputs
+from parallelisms.dtensor.traceable import compile_whole
 from parallelisms.tensor_parallel import loss_parallel
 
 IGNORE_INDEX = -100  # cross_entropy's default: such targets count neither in the loss nor in its divisor
@@ -28,7 +28,7 @@ def build_cross_entropy(compile_backend: str | None) -> CrossEntropy:
     loss parallelism too: its vocabulary-sharded logits are DTensors, traced like any (dtensor/traceable.py)."""
     if compile_backend is None:
         return summed_cross_entropy
-    return with_landed_inputs(torch.compile(summed_cross_entropy, backend=compile_backend, fullgraph=True))
+    return compile_whole(summed_cross_entropy, compile_backend)
 
 
 def token_loss_sum(

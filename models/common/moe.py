@@ -77,8 +77,7 @@ class TokenChoiceTopKRouter(nn.Module):
 def _local(w: torch.Tensor) -> torch.Tensor:
     """A weight's local shard under tensor parallelism (a DTensor's `to_local()`), else the weight: the routed
     token counts vary per step, which a grouped GEMM takes as offsets and a DTensor op rule cannot."""
-    to_local = getattr(w, "to_local", None)
-    return to_local() if to_local is not None else w
+    return w.to_local() if hasattr(type(w), "to_local") else w  # the type's: dynamo answers it for traced tensors too
 
 
 def grouped_swiglu(

@@ -81,9 +81,13 @@ class SequenceSharding:
         return whole.index_select(dim, inverse)
 
     def positions(self, local_len: int, device: torch.device | None = None) -> torch.Tensor:
-        """Global positions of this rank's `local_len` tokens (of a sequence of local_len * cp); cached."""
+        """Global positions of this rank's `local_len` tokens (of a sequence of local_len * cp); cached, except
+        while torch.compile traces (the graph computes them; a cache write inside a checkpointed region is a
+        side effect it refuses)."""
         device = device or torch.device("cpu")
         key = (local_len, device)
+        if torch.compiler.is_compiling() and key not in self._positions:
+            return rank_positions(local_len * self.cp, self.cp, self.rank, self.load_balance).to(device)
         if key not in self._positions:
             self._positions[key] = rank_positions(local_len * self.cp, self.cp, self.rank, self.load_balance).to(device)
         return self._positions[key]

@@ -73,7 +73,8 @@ class DeviceMesh:
         hits = (ranks == self._rank).nonzero()
         self._coordinate: tuple[int, ...] | None = tuple(hits[0].tolist()) if len(hits) else None
         self._shape = tuple(ranks.shape)
-        self._hash = hash((device_type, self._shape, tuple(ranks.flatten().tolist()), self.mesh_dim_names))
+        self._ranks = tuple(ranks.flatten().tolist())  # compared without tensor ops: meshes meet under fake tensors
+        self._hash = hash((device_type, self._shape, self._ranks, self.mesh_dim_names))
         if _root is None:
             if len(set(ranks.flatten().tolist())) != ranks.numel():
                 raise ValueError(f"mesh {ranks.tolist()} repeats a rank; each rank may appear once")
@@ -323,7 +324,7 @@ class DeviceMesh:
             and self.device_type == other.device_type
             and self._shape == other._shape
             and self.mesh_dim_names == other.mesh_dim_names
-            and torch.equal(self.mesh, other.mesh)
+            and self._ranks == other._ranks
         )
 
     def __repr__(self) -> str:

@@ -125,3 +125,10 @@ def with_landed_inputs(compiled: Callable[..., Any]) -> Callable[..., Any]:
         return compiled(*map(landed, args), **{k: landed(v) for k, v in kwargs.items()})
 
     return call
+
+
+def compile_whole(fn: Callable[..., Any], backend: str) -> Callable[..., Any]:
+    """`fn` torch.compile'd as one graph (fullgraph=True: a graph break is an error, not a slow path), called on
+    landed arguments. Shapes are static (dynamic=False): a new shape compiles a graph of its own rather than one
+    with symbolic sizes, which a DTensor's spec (hashed, compared) does not hold."""
+    return with_landed_inputs(torch.compile(fn, backend=backend, fullgraph=True, dynamic=False))
