@@ -6,7 +6,7 @@ step time). Global tokens/s = median per-device tok/s over the steps after warm-
 devices. Also the peak memory per rank (`mem`). Prints one JSON line with per-layout medians and each
 layout's ratio to the first. `--train-args` passes options to every run, e.g. torchtitan's work:
 
-    python bench/trainer_throughput.py --layouts one fsdp2 tp2 --repeats 3 --steps 20 \
+    python bench/trainer_throughput.py --layouts one fsdp2 tp2 tp2_compiled --repeats 3 --steps 20 \
         --train-args "--model.tokenizer_path $A/tokenizer --training.dataset_path $A/c4_test --model.vocab_size 2048"
 """
 
@@ -28,14 +28,17 @@ LAYOUTS = {  # name: (ranks, threads per rank, dp degree, --parallelism override
     "ddp2": (2, 1, 2, {"data_parallel_replicate_degree": 2, "data_parallel_shard_degree": 1}),
     "tp2": (2, 1, 1, {"data_parallel_shard_degree": 1, "tensor_parallel_degree": 2}),
     "fsdp2_tp2": (4, 1, 2, {"data_parallel_shard_degree": 2, "tensor_parallel_degree": 2}),
+    "cp2": (2, 1, 1, {"data_parallel_shard_degree": 1, "context_parallel_degree": 2}),
 }
+COMPILED = "_compiled"  # a layout's name with this suffix: the same layout, blocks and loss torch.compile'd (inductor)
 TOKS = re.compile(r"step (\d+) \|.*tok/s ([\d,]+).*\| mem ([\d.]+)GiB")
 
 
 def run(layout: str, steps: int, batch: int, seq: int, warmup: int, extra: list[str]) -> tuple[float, float]:
     """(global tokens/s, rank 0's peak memory GiB) of one run."""
-    ranks, threads, _, overrides = LAYOUTS[layout]
+    ranks, threads, _, overrides = LAYOUTS[layout.removesuffix(COMPILED)]
     args = ["./run_train.sh", "--training.steps", str(steps), "--training.local_batch_size", str(batch)]
+    args += ["--compile.enable"] if layout.endswith(COMPILED) else []
     args += ["--training.seq_len", str(seq), "--job.dump_folder", f"/tmp/meshtrain-throughput-{layout}", *extra]
     for key, value in overrides.items():
         args += [f"--parallelism.{key}", str(value)]
@@ -50,7 +53,8 @@ def run(layout: str, steps: int, batch: int, seq: int, warmup: int, extra: list[
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--layouts", nargs="+", default=["one", "fsdp2"], choices=sorted(LAYOUTS))
+    choices = sorted([*LAYOUTS, *(name + COMPILED for name in LAYOUTS)])
+    parser.add_argument("--layouts", nargs="+", default=["one", "fsdp2"], choices=choices)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=3)

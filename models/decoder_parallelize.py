@@ -194,18 +194,15 @@ def apply_compile(model: nn.Module, backend: str, *, experts_eager: bool = False
     its other parts one by one (attention, norms, router, shared experts) and runs the experts eager, as
     torchtitan does.
     """
-    for block in model.layers.values():  # type: ignore[operator]
+    for layer, block in model.layers.items():  # type: ignore[union-attr, operator]
         moe = getattr(block, "moe", None)
         if experts_eager and moe is not None:
-            for child in [*block.children(), *moe.children()]:
+            parts = [*block.named_children(), *((f"moe.{n}", c) for n, c in moe.named_children())]
+            for name, child in parts:
                 if child is not moe and child is not moe.experts:
-                    _compile_forward(child, backend)
+                    child.forward = compile_whole(child.forward, backend, f"layers.{layer}.{name}")
         else:
-            _compile_forward(block, backend)
-
-
-def _compile_forward(module: nn.Module, backend: str) -> None:
-    module.forward = compile_whole(module.forward, backend)
+            block.forward = compile_whole(block.forward, backend, f"layers.{layer}")
 
 
 def _retie(model: nn.Module) -> None:

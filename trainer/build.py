@@ -16,7 +16,6 @@ from torch.optim.lr_scheduler import LambdaLR
 from models.common.decoder import Decoder
 from models.float8 import convert_to_float8_training
 from models.registry import job_model_args, model_family
-from parallelisms.activation_checkpoint import ACMode
 from parallelisms.dtensor.layout_invariant_init import layout_invariant_init
 from parallelisms.fsdp import MixedPrecisionPolicy, precompute_all_gather_scales
 
@@ -123,7 +122,7 @@ def build_parallel_model(cfg: JobConfig, runtime: Runtime, vocab_size: int) -> n
     for part in parts:
         parallelize(
             part, runtime.parallel_dims, runtime.world_mesh, loss_parallel=runtime.loss_parallel,
-            ac_mode=cast(ACMode, ac.mode),
+            ac_mode=ac.mode,
             ac_selective_option=ac.selective_ac_option, ac_early_stop=ac.early_stop, ac_memory_budget=ac.memory_budget,
             mp_policy=mp_policy,
             ac_force_recompute_mm_fqns=tuple(ac.per_op_sac_force_recompute_mm_shapes_by_fqns),

@@ -136,8 +136,8 @@ def _feature_warnings(cfg: JobConfig, pipeline: PipelineSetup | None) -> list[st
             )
     if p.enable_async_tensor_parallel and p.tensor_parallel_degree > 1:
         warnings.append(
-            "parallelism.enable_async_tensor_parallel=true has no effect here: TP runs its collectives "
-            "synchronously (async TP needs torch.compile of the TP blocks); results are the same"
+            "parallelism.enable_async_tensor_parallel=true has no effect here: async TP is not built yet, TP "
+            "runs its collectives synchronously; results are the same"
         )
     return warnings
 
@@ -203,7 +203,7 @@ def _check_unavailable(cfg: JobConfig) -> None:
     if ac.mode == "memory_budget" and not (cfg.compile.enable and "model" in cfg.compile.components):
         raise ValueError(
             "activation_checkpoint.mode='memory_budget' needs the blocks compiled (torch.compile's min-cut "
-            "partitioner chooses what they save): set compile.enable=true with \"model\" in compile.components"
+            'partitioner chooses what they save): set compile.enable=true with "model" in compile.components'
         )
     if ac.mode == "memory_budget" and not 0.0 <= ac.memory_budget <= 1.0:
         raise ValueError(

@@ -28,7 +28,7 @@ def build_cross_entropy(compile_backend: str | None) -> CrossEntropy:
     loss parallelism too: its vocabulary-sharded logits are DTensors, traced like any (dtensor/traceable.py)."""
     if compile_backend is None:
         return summed_cross_entropy
-    return compile_whole(summed_cross_entropy, compile_backend)
+    return compile_whole(summed_cross_entropy, compile_backend, "the loss")
 
 
 def token_loss_sum(

@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .grouped_mm import grouped_mm
 from .feed_forward import FeedForward
+from .grouped_mm import grouped_mm
 from .moe_args import MoEArgs
 
 
@@ -77,7 +77,8 @@ class TokenChoiceTopKRouter(nn.Module):
 def _local(w: torch.Tensor) -> torch.Tensor:
     """A weight's local shard under tensor parallelism (a DTensor's `to_local()`), else the weight: the routed
     token counts vary per step, which a grouped GEMM takes as offsets and a DTensor op rule cannot."""
-    return w.to_local() if hasattr(type(w), "to_local") else w  # the type's: dynamo answers it for traced tensors too
+    # the type's attribute: dynamo answers that for traced tensors too (a DTensor's, not plain Tensor's)
+    return w.to_local() if hasattr(type(w), "to_local") else w  # type: ignore[attr-defined]
 
 
 def grouped_swiglu(

@@ -117,18 +117,22 @@ class _Land(torch.autograd.Function):
         return grad
 
 
-def with_landed_inputs(compiled: Callable[..., Any]) -> Callable[..., Any]:
-    """`compiled` called on its arguments landed (`landed`)."""
-
-    @functools.wraps(compiled)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        return compiled(*map(landed, args), **{k: landed(v) for k, v in kwargs.items()})
-
-    return call
-
-
-def compile_whole(fn: Callable[..., Any], backend: str) -> Callable[..., Any]:
+def compile_whole(fn: Callable[..., Any], backend: str, name: str) -> Callable[..., Any]:
     """`fn` torch.compile'd as one graph (fullgraph=True: a graph break is an error, not a slow path), called on
     landed arguments. Shapes are static (dynamic=False): a new shape compiles a graph of its own rather than one
-    with symbolic sizes, which a DTensor's spec (hashed, compared) does not hold."""
-    return with_landed_inputs(torch.compile(fn, backend=backend, fullgraph=True, dynamic=False))
+    with symbolic sizes, which a DTensor's spec (hashed, compared) does not hold. A failure to compile names
+    `name` (the block) and the reason, and how to run eager instead."""
+    compiled = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return compiled(*map(landed, args), **{k: landed(v) for k, v in kwargs.items()})
+        except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.BackendCompilerFailed) as error:
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise RuntimeError(
+                f"torch.compile of {name} failed ({type(error).__name__}: {reason}); it runs in every layout, so "
+                f"this is a bug to report with the config; set compile.enable=false to train eager meanwhile"
+            ) from error
+
+    return call

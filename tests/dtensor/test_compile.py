@@ -22,7 +22,6 @@ from tests.dtensor.harness import get_mesh
 from tests.world import run_world
 
 
-
 class _Recorder:
     """An aot_eager backend that notes every op AOT autograd's forward and backward graphs call."""
 
@@ -132,3 +131,17 @@ def guards_on_placements() -> list[int]:
 
 def test_meshes_and_placements_are_guarded_constants() -> None:
     assert run_world(guards_on_placements, 2)[0] == [3]
+
+
+def test_a_block_that_does_not_compile_is_an_error_naming_it() -> None:
+    """No silent fall back to eager: the block, the reason and the way out, in one line."""
+    import pytest
+
+    from parallelisms.dtensor.traceable import compile_whole
+
+    def breaks(x: torch.Tensor) -> torch.Tensor:
+        torch._dynamo.graph_break()
+        return x + 1
+
+    with pytest.raises(RuntimeError, match=r"torch.compile of layers.3 failed \(Unsupported: .*compile.enable=false"):
+        compile_whole(breaks, "eager", "layers.3")(torch.ones(2))

@@ -110,7 +110,9 @@ def compiled_layouts_match_eager(names: list[str]) -> dict[str, tuple[float, flo
                 losses[-1].backward()
             grads = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
                      for n, p in model.named_parameters()}  # fmt: skip
-            runs.append(([x.item() for x in losses], grads, torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs))
+            runs.append(
+                ([x.item() for x in losses], grads, torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs)
+            )
         (eager, eager_grads, _), (compiled, compiled_grads, graphs) = runs
         worst = max((compiled_grads[n] - g).abs().max().item() for n, g in eager_grads.items())
         results[name] = (*[c - e for c, e in zip(compiled, eager)], worst, graphs)

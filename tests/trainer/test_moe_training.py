@@ -1,6 +1,7 @@
 """Qwen3-MoE and DeepSeek-V3 through the trainer under every parallelism: FSDP, HSDP, TP/SP (experts sharded on
 their hidden dim, router replicated), PP (DeepSeek's dense block first), CP, DDP, selective activation
-checkpointing, compiled blocks (TP, EP), and expert parallelism alone and with each of FSDP, TP (etp 1 and etp = tp), PP, CP, HSDP and DDP, each
+checkpointing, compiled blocks (TP, EP), and expert parallelism alone and with each of FSDP, TP (etp 1 and
+etp = tp), PP, CP, HSDP and DDP, each
 follow one process on the same global batches (fp32, AdamW, load balancing on, so the routing bias moves every
 step and every layout must move it alike); the expert-load metrics are logged. A checkpoint saved under EP resumes
 under TP, PP and EP x TP (routing biases, experts and their optimizer state resharded), and its export loads in
@@ -98,7 +99,8 @@ def one_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[str]
         *[(family, world, layout) for family in ("qwen3", "deepseek_v3") for world, layout in EP_LAYOUTS.values()],
     ],
     ids=["qwen3_fsdp2", "qwen3_tp2", "qwen3_hsdp", "qwen3_pp2", "qwen3_cp2_sac", "dsv3_fsdp2_tp2", "dsv3_pp2",
-         "dsv3_cp2", "dsv3_ddp2", "qwen3_ep2_compiled", "dsv3_tp2_compiled", *[f"{family}_{name}" for family in ("qwen3", "dsv3") for name in EP_LAYOUTS]],
+         "dsv3_cp2", "dsv3_ddp2", "qwen3_ep2_compiled", "dsv3_tp2_compiled",
+         *[f"{family}_{name}" for family in ("qwen3", "dsv3") for name in EP_LAYOUTS]],
 )  # fmt: skip
 def test_moe_training_follows_one_process(
     tmp_path: Path, one_process: dict[str, list[str]], family: str, world: int, layout: list[str]

@@ -184,7 +184,7 @@ class Parallelism:
     disable_loss_parallel: bool = False
     """With TP, gather the logits for the cross-entropy instead of keeping them sharded on the vocabulary."""
     enable_async_tensor_parallel: bool = False
-    """Async TP (compiled collective-matmul overlap): TP here runs synchronously; accepted with a warning."""
+    """Async TP (collective-matmul overlap): not built yet; TP runs synchronously; accepted with a warning."""
     pipeline_parallel_degree: int = 1
     """Pipeline parallelism degree: ranks along the pp mesh dim (outermost), each holding its stages."""
     module_fqns_per_model_part: list[list[str]] | None = None

@@ -25,7 +25,6 @@ from torch.utils._pytree import tree_leaves
 
 from models.common.decoder import Decoder
 from models.registry import flops_per_token, job_model_args, model_family
-from parallelisms.activation_checkpoint import ACMode
 from parallelisms.dtensor import DeviceMesh, DTensor
 from parallelisms.dtensor.debug import CommDebugMode, _defers_to_subclass, counted_collective
 from parallelisms.fsdp import MixedPrecisionPolicy
@@ -195,7 +194,7 @@ def _parallelize(cfg: JobConfig, runtime: Runtime, model: torch.nn.Module) -> No
     ac, p = cfg.activation_checkpoint, cfg.parallelism
     model_family(cfg.model.name).parts.parallelize(
         model, runtime.parallel_dims, runtime.world_mesh, loss_parallel=runtime.loss_parallel,
-        ac_mode=cast(ACMode, ac.mode), ac_selective_option=ac.selective_ac_option, ac_early_stop=ac.early_stop,
+        ac_mode=ac.mode, ac_selective_option=ac.selective_ac_option, ac_early_stop=ac.early_stop,
         ac_force_recompute_mm_fqns=tuple(ac.per_op_sac_force_recompute_mm_shapes_by_fqns),
         mp_policy=mp_policy, reshard_after_forward=p.fsdp_reshard_after_forward == "always"
         or (p.fsdp_reshard_after_forward == "default" and p.pipeline_parallel_degree == 1),  # as train.py
