@@ -34,9 +34,9 @@ COMPILED = "_compiled"  # a layout's name with this suffix: the same layout, blo
 TOKS = re.compile(r"step (\d+) \|.*tok/s ([\d,]+).*\| mem ([\d.]+)GiB")
 
 
-def run(layout: str, steps: int, batch: int, seq: int, warmup: int, extra: list[str]) -> tuple[float, float]:
-    """(global tokens/s, rank 0's peak memory GiB) of one run."""
-    ranks, threads, _, overrides = LAYOUTS[layout.removesuffix(COMPILED)]
+def run(layout: str, steps: int, batch: int, seq: int, warmup: int, extra: list[str]) -> tuple[float, float, float]:
+    """(global tokens/s, rank 0's peak memory GiB, the first step's seconds: it compiles) of one run."""
+    ranks, threads, dp, overrides = LAYOUTS[layout.removesuffix(COMPILED)]
     args = ["./run_train.sh", "--training.steps", str(steps), "--training.local_batch_size", str(batch)]
     args += ["--compile.enable"] if layout.endswith(COMPILED) else []
     args += ["--training.seq_len", str(seq), "--job.dump_folder", f"/tmp/meshtrain-throughput-{layout}", *extra]
@@ -48,7 +48,8 @@ def run(layout: str, steps: int, batch: int, seq: int, warmup: int, extra: list[
         raise SystemExit(f"{layout} failed (exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     found = [(int(s), float(t.replace(",", "")), float(m)) for s, t, m in TOKS.findall(done.stdout + done.stderr)]
     per_device = [t for s, t, _ in found if s > warmup]
-    return statistics.median(per_device) * ranks, max(m for _, _, m in found)
+    first = next(t for s, t, _ in found if s == 1)  # per device: a replica's tokens / (ranks / dp) per second
+    return statistics.median(per_device) * ranks, max(m for _, _, m in found), batch * seq * dp / ranks / first
 
 
 def main() -> None:
@@ -64,15 +65,19 @@ def main() -> None:
     a = parser.parse_args()
     runs: dict[str, list[float]] = {name: [] for name in a.layouts}
     mems: dict[str, list[float]] = {name: [] for name in a.layouts}
+    firsts: dict[str, list[float]] = {name: [] for name in a.layouts}
     for _ in range(a.repeats):
         for name in a.layouts:  # back to back, so noise hits every layout alike
-            tok_s, mem = run(name, a.steps, a.batch, a.seq, a.warmup, a.train_args.split())
+            tok_s, mem, first = run(name, a.steps, a.batch, a.seq, a.warmup, a.train_args.split())
             runs[name].append(tok_s)
             mems[name].append(mem)
+            firsts[name].append(first)
     medians = {name: statistics.median(v) for name, v in runs.items()}
     first = medians[a.layouts[0]]
     ratios = {k: v / first for k, v in medians.items()}
-    print(json.dumps({"global_tok_s": medians, "peak_mem_gib": mems, "runs": runs, "ratio_to_first": ratios}))
+    first_step_s = {name: statistics.median(v) for name, v in firsts.items()}
+    print(json.dumps({"global_tok_s": medians, "peak_mem_gib": mems, "first_step_s": first_step_s, "runs": runs,
+                      "ratio_to_first": ratios}))  # fmt: skip
 
 
 if __name__ == "__main__":

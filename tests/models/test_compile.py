@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from models.llama3 import Transformer, TransformerModelArgs
 from models.llama3.parallelize import apply_compile, parallelize_llama
 from parallelisms.activation_checkpoint import apply_ac
-from tests.trainer.test_train import _SHORT_DEBUG_JOB, _losses, _train_rank
+from tests.trainer.test_train import _SHORT_DEBUG_JOB, _losses, _train_rank, destroy_groups_since
 from tests.world import run_world
 
 TINY = TransformerModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=96, max_seq_len=32)
@@ -90,6 +90,7 @@ def compiled_layouts_match_eager(names: list[str]) -> dict[str, tuple[float, flo
         _, degrees, ac_mode, rotate = LAYOUTS[name]
         dims = ParallelDims(**{"dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1, "pp": 1, **degrees},
                             world_size=dist.get_world_size())  # fmt: skip
+        groups_before = set(dist.distributed_c10d._world.pg_map)
         mesh = dims.build_mesh("cpu")
         torch.manual_seed(0)
         base = Transformer(TransformerModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96,
@@ -116,6 +117,8 @@ def compiled_layouts_match_eager(names: list[str]) -> dict[str, tuple[float, flo
         (eager, eager_grads, _), (compiled, compiled_grads, graphs) = runs
         worst = max((compiled_grads[n] - g).abs().max().item() for n, g in eager_grads.items())
         results[name] = (*[c - e for c, e in zip(compiled, eager)], worst, graphs)
+        del runs, base
+        destroy_groups_since(groups_before)
     return results
 
 

@@ -23,17 +23,35 @@ class _Lines(logging.Handler):
 
 
 def _train_rank(argv: list[str], logger_name: str = "trainer.metrics") -> list[str]:
-    """Run main(argv) on this rank (it must return 0); the messages `logger_name` logged."""
+    """Run main(argv) on this rank (it must return 0); the messages `logger_name` logged. The process groups the
+    job made are destroyed after it, as its own teardown would in a job of its own: every gloo group keeps a
+    thread that wakes each 10 ms, and a test world's ranks would otherwise collect hundreds of them (a core's
+    worth of idle wake-ups on a 2-core machine)."""
+    import torch.distributed as dist
+
     from trainer.train import main
 
     handler = _Lines()
     watched = logging.getLogger(logger_name)
     watched.addHandler(handler)
+    groups_before = set(dist.distributed_c10d._world.pg_map)
     try:
         assert main(argv) == 0
     finally:
         watched.removeHandler(handler)
+        destroy_groups_since(groups_before)
     return handler.lines
+
+
+def destroy_groups_since(groups_before: set) -> None:
+    """Destroy this rank's process groups not in `groups_before` (the job's meshes are gone with it)."""
+    import gc
+
+    import torch.distributed as dist
+
+    gc.collect()
+    for group in [g for g in dist.distributed_c10d._world.pg_map if g not in groups_before]:
+        dist.destroy_process_group(group)
 
 
 def _losses(lines: list[str]) -> list[float]:
