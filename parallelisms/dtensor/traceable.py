@@ -122,7 +122,10 @@ def compile_whole(fn: Callable[..., Any], backend: str, name: str) -> Callable[.
     landed arguments. Shapes are static (dynamic=False): a new shape compiles a graph of its own rather than one
     with symbolic sizes, which a DTensor's spec (hashed, compared) does not hold. A failure to compile names
     `name` (the block) and the reason, and how to run eager instead."""
-    compiled = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
+    # inductor may move each collective away from its wait, over independent compute (eager TP overlaps with async
+    # collectives; a compiled graph only when the scheduler reorders)
+    options = {"reorder_for_compute_comm_overlap": True} if backend == "inductor" else None
+    compiled = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False, options=options)
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:

@@ -59,7 +59,8 @@ def _last_weights(dump: Path) -> dict[str, torch.Tensor]:
         (2, [*PP2, "--parallelism.pipeline_parallel_schedule", "interleaved1f1b"]),  # 2 stages per rank
         (2, [*PP2, "--parallelism.pipeline_parallel_schedule", "GPipe", *MB2]),
         (4, ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "2"]),  # PP(2) x FSDP(2)
-        (4, [*PP2, "--parallelism.tensor_parallel_degree", "2"]),  # PP(2) x TP(2), loss parallel on the last stage
+        (4, [*PP2, "--parallelism.tensor_parallel_degree", "2", "--compile.enable", "--compile.backend",
+             "aot_eager"]),  # PP(2) x TP(2), loss parallel on the last stage; compiled blocks (eager: pp2_fsdp2_tp2)
         (4, ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "2",
              "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]),  # split backward, V placement, FSDP(2)
         (8, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2",
@@ -69,7 +70,7 @@ def _last_weights(dump: Path) -> dict[str, torch.Tensor]:
         (2, [*PP2, "--parallelism.pipeline_parallel_schedule", "DualPipeV", "--activation_checkpoint.mode",
              "selective", "--activation_checkpoint.selective_ac_option", "op"]),  # V, F next to B; W recomputes
     ],
-    ids=["pp2_1f1b", "pp2_interleaved", "pp2_gpipe_mb2", "pp2_fsdp2", "pp2_tp2", "pp2_zbv_fsdp2", "pp2_fsdp2_tp2",
+    ids=["pp2_1f1b", "pp2_interleaved", "pp2_gpipe_mb2", "pp2_fsdp2", "pp2_tp2_compiled", "pp2_zbv_fsdp2", "pp2_fsdp2_tp2",
          "pp2_ddp2", "pp2_dualpipev"],
 )  # fmt: skip
 def test_pipelined_training_follows_one_process(
