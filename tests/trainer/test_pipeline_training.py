@@ -70,8 +70,8 @@ def _last_weights(dump: Path) -> dict[str, torch.Tensor]:
         (2, [*PP2, "--parallelism.pipeline_parallel_schedule", "DualPipeV", "--activation_checkpoint.mode",
              "selective", "--activation_checkpoint.selective_ac_option", "op"]),  # V, F next to B; W recomputes
     ],
-    ids=["pp2_1f1b", "pp2_interleaved", "pp2_gpipe_mb2", "pp2_fsdp2", "pp2_tp2_compiled", "pp2_zbv_fsdp2", "pp2_fsdp2_tp2",
-         "pp2_ddp2", "pp2_dualpipev"],
+    ids=["pp2_1f1b", "pp2_interleaved", "pp2_gpipe_mb2", "pp2_fsdp2", "pp2_tp2_compiled", "pp2_zbv_fsdp2",
+         "pp2_fsdp2_tp2", "pp2_ddp2", "pp2_dualpipev"],
 )  # fmt: skip
 def test_pipelined_training_follows_one_process(
     tmp_path: Path, one_process_run: tuple[list[float], Path], world: int, layout: list[str]
