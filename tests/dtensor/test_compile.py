@@ -9,9 +9,11 @@ bit; one case runs inductor as well.
 
 from __future__ import annotations
 
+import shutil
 from collections import Counter
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from functorch.compile import make_boxed_func
@@ -101,6 +103,9 @@ def test_dtensor_programs_compile_whole_with_eager_values() -> None:
     assert collectives["_c10d_functional.wait_tensor.default"] == issued, collectives  # every collective waited
 
 
+@pytest.mark.skipif(
+    not any(shutil.which(cc) for cc in ("g++", "c++", "clang++")), reason="inductor's CPU kernels need a C++ compiler"
+)
 def test_inductor_compiles_the_same_program() -> None:
     """Generated C++ kernels around the functional collectives: eager's values within 1e-5 (a minute on 2 cores,
     most of it compiling the kernels once)."""
@@ -135,8 +140,6 @@ def test_meshes_and_placements_are_guarded_constants() -> None:
 
 def test_a_block_that_does_not_compile_is_an_error_naming_it() -> None:
     """No silent fall back to eager: the block, the reason and the way out, in one line."""
-    import pytest
-
     from parallelisms.dtensor.traceable import compile_whole
 
     def breaks(x: torch.Tensor) -> torch.Tensor:
