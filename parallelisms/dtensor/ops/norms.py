@@ -32,7 +32,6 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 from torch.ops import aten
 
-from ..collectives import traced
 from ..placements import Partial, Placement, Replicate, Shard
 from ..spec import DTensorSpec
 from .registry import LocalComm, LocalImpl, OpCall, Sharding, register
@@ -155,7 +154,8 @@ def remember_row_sums(grad: torch.Tensor, row_sums: torch.Tensor) -> None:
     `known_row_sums`. They are kept on its storage: the grad may reach log_softmax's backward as a
     reshape (cross_entropy on (N, C, d) runs nll_loss2d on a (N, C, 1, d) view), and views made
     below autograd share their storage, not their Python object, base or version counter."""
-    if grad.is_contiguous() and not traced():  # traced tensors have no storage: compiled code all-reduces the sums
+    # torch.compile's traced tensors have no storage: compiled code all-reduces the sums
+    if grad.is_contiguous() and not torch.compiler.is_compiling():
         grad.untyped_storage()._meshtrain_row_sums = (grad.data_ptr(), grad.shape, row_sums)  # type: ignore[attr-defined]
 
 
@@ -166,7 +166,7 @@ def known_row_sums(grad: torch.Tensor, dim: int) -> torch.Tensor | None:
     Not seen: a hook that edits the grad in place between the two backwards (shards' version
     counters do not move below autograd). torch's loss_parallel, which skips log_softmax's
     backward altogether, has the same blind spot."""
-    known = None if traced() else getattr(grad.untyped_storage(), "_meshtrain_row_sums", None)
+    known = None if torch.compiler.is_compiling() else getattr(grad.untyped_storage(), "_meshtrain_row_sums", None)
     if known is None:
         return None
     data_ptr, shape, row_sums = known
