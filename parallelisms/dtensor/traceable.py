@@ -124,7 +124,9 @@ def compile_whole(fn: Callable[..., Any], backend: str, name: str) -> Callable[.
     `name` (the block) and the reason, and how to run eager instead."""
     # inductor may move each collective away from its wait, over independent compute (eager TP overlaps with async
     # collectives; a compiled graph only when the scheduler reorders)
-    options = {"reorder_for_compute_comm_overlap": True} if backend == "inductor" else None
+    options: dict[str, str | int | bool | Callable[..., Any]] | None = (
+        {"reorder_for_compute_comm_overlap": True} if backend == "inductor" else None
+    )
     compiled = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False, options=options)
 
     @functools.wraps(fn)

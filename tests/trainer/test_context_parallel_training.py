@@ -95,11 +95,6 @@ def test_a_sequence_cp_cannot_split_is_refused_with_the_arithmetic(overrides: li
         check_config(cfg, world_size=4 if "--parallelism.tensor_parallel_degree" in overrides else 2)
 
 
-def test_compile_under_cp_is_warned_and_runs_eager() -> None:
-    warnings = check_config(load_config([*JOB, *CP2, "--compile.enable"]), world_size=2)
-    assert any("compile.enable=true with parallelism.context_parallel_degree(2)" in w for w in warnings), warnings
-
-
 @pytest.mark.e2e
 def test_run_train_sh_trains_cp2_like_one_process(tmp_path: Path, one_process: list[str]) -> None:
     run = subprocess.run(
