@@ -57,9 +57,9 @@ def tokenizer_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_torchtitan_config_passes_preflight_under_its_degrees(name: str, tokenizer_folder: Path) -> None:
     argv = ["--job.config_file", str(CONFIGS / f"{name}.toml"), "--model.hf_assets_path", str(tokenizer_folder)]
     warnings = check_config(load_config(argv), WORLDS[name])
-    if name == "llama3_405b":  # compile under TP and async TP: both only speed, both said
+    if name == "llama3_405b":  # async TP is only speed, and not built: said; compile under TP runs, silently
         assert any("enable_async_tensor_parallel" in w for w in warnings), warnings
-        assert any("compile.enable=true with parallelism.tensor_parallel_degree(8)" in w for w in warnings)
+        assert not any("compile" in w for w in warnings), warnings
         assert not any("float8" in w for w in warnings), warnings  # its FSDP float8 keys act under TP too
 
 
