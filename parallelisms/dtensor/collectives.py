@@ -51,10 +51,11 @@ def _functional_reduce_op(reduce_op: str) -> str:
     return "sum" if norm_order(reduce_op) is not None else _FUNCTIONAL_REDUCE_OPS[reduce_op]
 
 
-def traced_all_to_all(
+def functional_all_to_all(
     send: torch.Tensor, output_splits: list[int], input_splits: list[int], group: ProcessGroup
 ) -> torch.Tensor:
-    """all_to_all_single as a functional collective and its wait (rows of dim 0 by the splits)."""
+    """all_to_all_single as a functional collective and its wait (rows of dim 0 by the splits): CommDebugMode counts
+    it and torch.compile traces it (`all_to_all_rows`, and every all-to-all while traced)."""
     out = _functional.all_to_all_single(send.contiguous(), output_splits, input_splits, group.group_name)
     return _functional.wait_tensor(out)
 
@@ -64,7 +65,7 @@ def _traced_reduce_scatter(stacked: torch.Tensor, reduce_op: str, group: Process
     n = group.size()
     if reduce_op == "sum" and stacked.device.type == "cpu" and dist.get_backend(group) == "gloo":
         chunk = stacked.shape[0] // n
-        received = traced_all_to_all(stacked, [chunk] * n, [chunk] * n, group)
+        received = functional_all_to_all(stacked, [chunk] * n, [chunk] * n, group)
         return received.view(n, chunk, *stacked.shape[1:]).sum(0)
     out = _functional.reduce_scatter_tensor(stacked.contiguous(), reduce_op, n, group.group_name)
     return _functional.wait_tensor(out)
@@ -180,11 +181,11 @@ def all_gather(
         shape[dim] = 0
         return local.new_empty(shape)
     padded = _pad_dim(local, dim, full).contiguous()
-    out = padded.new_empty((n * padded.shape[0], *padded.shape[1:]))
     direct = dim == 0 and all(s == full for s in sizes)
     if traced():
         out, work = _functional.wait_tensor(_functional.all_gather_into_tensor(padded, n, group.group_name)), None
     else:
+        out = padded.new_empty((n * padded.shape[0], *padded.shape[1:]))
         work = dist.all_gather_single(out, padded, group=group, async_op=async_op and direct)
     if direct:
         return pending(work, out)
@@ -245,7 +246,7 @@ def all_to_all(
     output_splits = [s * other * my_dst for s in src_sizes]
     input_splits = [src_sizes[index] * other * d for d in dst_sizes]
     if traced():
-        recv = traced_all_to_all(send, output_splits, input_splits, group)
+        recv = functional_all_to_all(send, output_splits, input_splits, group)
     else:
         recv = send.new_empty(logical_shape[src_dim] * other * my_dst)
         dist.all_to_all_single(
@@ -263,9 +264,7 @@ def all_to_all_rows(
     rank sent here, rank-major (`output_splits[k]` of them from rank k): uneven splits, nothing padded. A
     functional collective (`_c10d_functional.all_to_all_single` and its wait), so CommDebugMode counts it and
     torch.compile can trace it. Expert parallelism's token dispatch and combine."""
-    local = wait_all(local).contiguous()
-    out = torch.ops._c10d_functional.all_to_all_single(local, output_splits, input_splits, group.group_name)
-    return torch.ops._c10d_functional.wait_tensor(out)
+    return functional_all_to_all(wait_all(local), output_splits, input_splits, group)
 
 
 def broadcast(tensor: torch.Tensor, group: ProcessGroup, group_src: int) -> torch.Tensor:
