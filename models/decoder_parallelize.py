@@ -15,9 +15,8 @@ ranks outside ep (`dp_shard_mod_ep`) in a group of their own.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from functools import partial
-from typing import cast
+from typing import Protocol, cast
 
 import torch
 from torch import nn
@@ -39,8 +38,12 @@ from parallelisms.tensor_parallel import (
 )
 from parallelisms.tensor_parallel.moe_styles import GroupedExpertsParallel, NoParallel
 
-TPPlan = Callable[[nn.Module, DeviceMesh], None]
-"""A family's tensor-parallel plan for its blocks: `plan(block, tp_mesh)` (the top of the model is common)."""
+
+class TPPlan(Protocol):
+    """A family's tensor-parallel plan for its blocks (the top of the model is common): with `async_tp`, its
+    collectives run as collective matmuls (parallelisms/tensor_parallel/async_styles.py: async_tp_plan)."""
+
+    def __call__(self, block: nn.Module, tp_mesh: DeviceMesh, *, async_tp: bool = False) -> None: ...
 
 
 def parallelize_decoder(
@@ -59,15 +62,17 @@ def parallelize_decoder(
     reshard_after_forward: bool = True,
     compile_backend: str | None = None,
     cp_rotate_method: RotateMethod = "allgather",
+    async_tp: bool = False,
 ) -> nn.Module:
     """Apply TP -> CP -> AC -> compile -> FSDP / DDP to `model` in place, as `parallel_dims` asks; returns `model`.
     `block_tp_plan` shards one block under TP. `compile_backend` (e.g. "inductor") compiles each block, in every
     layout; None leaves the model eager. `ac_selective_option` / `ac_early_stop` / `ac_memory_budget`: see
-    `apply_ac`. `cp_rotate_method`: how ring attention moves K/V under context parallelism."""
+    `apply_ac`. `cp_rotate_method`: how ring attention moves K/V under context parallelism. `async_tp`: TP's
+    all-gathers and reduce-scatters as collective matmuls."""
     if parallel_dims.ep_enabled:
         apply_ep(model, parallel_dims, world_mesh)
     if parallel_dims.tp_enabled:
-        apply_tp(model, world_mesh["tp"], block_tp_plan, loss_parallel=loss_parallel)
+        apply_tp(model, world_mesh["tp"], block_tp_plan, loss_parallel=loss_parallel, async_tp=async_tp)
     if parallel_dims.cp_enabled:
         apply_cp(model, world_mesh["cp"], rotate_method=cp_rotate_method)
     apply_ac(model, ac_mode, selective_option=ac_selective_option, early_stop=ac_early_stop,
@@ -83,7 +88,9 @@ def parallelize_decoder(
     return model
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, block_tp_plan: TPPlan, *, loss_parallel: bool) -> None:
+def apply_tp(
+    model: nn.Module, tp_mesh: DeviceMesh, block_tp_plan: TPPlan, *, loss_parallel: bool, async_tp: bool = False
+) -> None:
     """Megatron-style tensor parallelism with sequence parallelism (Korthikanti et al. 2022): the embedding, the
     final norm and the output here; each block by `block_tp_plan`. Activations between blocks are sharded on the
     sequence dim (S(1)); with `loss_parallel` the logits stay sharded on the vocabulary dim for `loss_parallel()`."""
@@ -100,7 +107,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, block_tp_plan: TPPlan, *, lo
     # (B, T/tp, D) sequence shards either way
     parallelize_module(model, tp_mesh, {k: v for k, v in top_plan.items() if getattr(model, k) is not None})
     for block in model.layers.values():  # type: ignore[operator]
-        block_tp_plan(block, tp_mesh)
+        block_tp_plan(block, tp_mesh, async_tp=async_tp)
     if model.model_args.tie_word_embeddings:  # type: ignore[union-attr]
         _retie(model)
 

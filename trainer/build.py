@@ -128,7 +128,7 @@ def build_parallel_model(cfg: JobConfig, runtime: Runtime, vocab_size: int) -> n
             ac_force_recompute_mm_fqns=tuple(ac.per_op_sac_force_recompute_mm_shapes_by_fqns),
             reshard_after_forward=reshard,
             compile_backend=cfg.compile.backend if cfg.compile.enable and "model" in cfg.compile.components else None,
-            cp_rotate_method=p.context_parallel_rotate_method,
+            cp_rotate_method=p.context_parallel_rotate_method, async_tp=p.enable_async_tensor_parallel,
         )  # fmt: skip
         # identical on every rank (run_job resolved a None seed): the init fills stay in step
         torch.manual_seed(cast(int, cfg.training.seed))

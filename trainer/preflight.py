@@ -134,10 +134,15 @@ def _feature_warnings(cfg: JobConfig, pipeline: PipelineSetup | None) -> list[st
                 f"its bubble is (stages - 1) / (m + stages - 1) = {(stages - 1) / (m + stages - 1):.0%}; raise the "
                 f"local batch or lower the microbatch size"
             )
-    if p.enable_async_tensor_parallel and p.tensor_parallel_degree > 1:
+    if p.enable_async_tensor_parallel and p.tensor_parallel_degree == 1:
         warnings.append(
-            "parallelism.enable_async_tensor_parallel=true has no effect here: async TP is not built yet, TP "
-            "runs its collectives synchronously; results are the same"
+            "parallelism.enable_async_tensor_parallel=true has no effect: tensor_parallel_degree is 1 (no TP "
+            "collectives to overlap)"
+        )
+    elif p.enable_async_tensor_parallel and "float8" in cfg.model.converters:
+        warnings.append(
+            "parallelism.enable_async_tensor_parallel=true: the float8 linears run their TP collectives "
+            "synchronously (the collective matmul is built for high-precision linears only)"
         )
     return warnings
 

@@ -41,7 +41,12 @@ class GroupedQueryAttention(nn.Module):
     of `dim` (Qwen3 uses 128 at every width). With `qk_norm` (Qwen3; Dehghani et al. 2023), queries and keys
     are RMS-normed per head, over head_dim with one weight shared by the heads, before RoPE: modules `q_norm`
     and `k_norm`, absent otherwise.
+
+    `project(x)` applies the `input_projections` to x: one call, which async tensor parallelism replaces with
+    one ring over all three (parallelisms/tensor_parallel/async_styles.py).
     """
+
+    input_projections = ("wq", "wk", "wv")
 
     def __init__(
         self,
@@ -75,13 +80,14 @@ class GroupedQueryAttention(nn.Module):
             if norm is not None:
                 norm.reset_parameters()
 
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.wq(x), self.wk(x), self.wv(x)
+
     def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
         """(B, T, D) -> (B, T, D); `freqs_cis` is the whole rotary table, of which `positions` picks the rows."""
         bs, seqlen, _ = x.shape
         # -1: the local head count, n_heads / tp under tensor parallelism
-        xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)  # (B, T, H, Dh)
-        xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)  # (B, T, Hkv, Dh)
-        xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)  # (B, T, Hkv, Dh)
+        xq, xk, xv = (t.view(bs, seqlen, -1, self.head_dim) for t in self.project(x))  # (B, T, H|Hkv, Dh)
         if self.q_norm is not None and self.k_norm is not None:
             xq, xk = self.q_norm(xq), self.k_norm(xk)
         xq, xk = apply_rotary_emb(xq, xk, freqs_cis[self.positions(seqlen)])

@@ -11,7 +11,11 @@ class FeedForward(nn.Module):
     """SwiGLU MLP: w2(silu(w1 x) * w3 x), `hidden_dim` wide (Llama 3: TransformerModelArgs.ffn_hidden_dim).
 
     Tensor parallelism shards w1 and w3 by column and w2 by row (models/llama3/parallelize.py: block_tp_plan), so the
-    names are part of the plan and of the checkpoint format."""
+    names are part of the plan and of the checkpoint format. `project(x)` applies the `input_projections`, w1 and
+    w3, in one call, which async tensor parallelism replaces with one ring over both
+    (parallelisms/tensor_parallel/async_styles.py)."""
+
+    input_projections = ("w1", "w3")
 
     def __init__(self, dim: int, hidden_dim: int) -> None:
         super().__init__()
@@ -25,5 +29,9 @@ class FeedForward(nn.Module):
         for linear in (self.w2, self.w3):
             nn.init.trunc_normal_(linear.weight, mean=0.0, std=init_std)
 
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.w1(x), self.w3(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))  # (..., D) -> (..., hidden) -> (..., D)
+        gate, up = self.project(x)  # (..., D) -> (..., hidden), twice
+        return self.w2(F.silu(gate) * up)  # (..., hidden) -> (..., D)

@@ -21,18 +21,23 @@ from models.decoder_parallelize import apply_moe_tp, parallelize_decoder
 from parallelisms.dtensor import DeviceMesh, Replicate, Shard
 from parallelisms.tensor_parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
+from parallelisms.tensor_parallel.async_styles import async_tp_plan
 from parallelisms.tensor_parallel.moe_styles import NoParallel, partial_grad
 
 
-def block_tp_plan(block: nn.Module, tp_mesh: DeviceMesh) -> None:
-    """A DeepSeek-V3 block under TP/SP (see the module docstring)."""
+def block_tp_plan(block: nn.Module, tp_mesh: DeviceMesh, *, async_tp: bool = False) -> None:
+    """A DeepSeek-V3 block under TP/SP (see the module docstring). With `async_tp`, wo and the dense MLP run their
+    collectives as collective matmuls; the attention's input, which feeds replicated low-rank projections
+    (NoParallel) besides the column-parallel ones, is gathered at once."""
     attention: Any = block.get_submodule("attention")  # its `shared_key` hook is a plain attribute
-    plan = {
+    rewrite = partial(async_tp_plan, block) if async_tp else dict
+    plan: dict[str, ParallelStyle] = {
         "attention_norm": SequenceParallel(),
         # (x, freqs_cis): x all-gathered and handed on as a local tensor
         "attention": PrepareModuleInput(
@@ -48,21 +53,18 @@ def block_tp_plan(block: nn.Module, tp_mesh: DeviceMesh) -> None:
         plan["attention.wq"] = ColwiseParallel()
     else:
         plan |= {"attention.wq_a": NoParallel(), "attention.q_norm": NoParallel(), "attention.wq_b": ColwiseParallel()}
-    parallelize_module(block, tp_mesh, plan)
+    parallelize_module(block, tp_mesh, rewrite(plan))
     attention.shared_key = partial(partial_grad, mesh=tp_mesh)
     if block.moe_enabled:
         apply_moe_tp(block, tp_mesh)
         return
-    parallelize_module(
-        block,
-        tp_mesh,
-        {
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-            "feed_forward.w3": ColwiseParallel(),
-        },
-    )
+    mlp: dict[str, ParallelStyle] = {
+        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        "feed_forward.w3": ColwiseParallel(),
+    }
+    parallelize_module(block, tp_mesh, rewrite(mlp))
 
 
 parallelize_deepseek_v3 = partial(parallelize_decoder, block_tp_plan=block_tp_plan)

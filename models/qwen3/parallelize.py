@@ -17,16 +17,19 @@ from models.decoder_parallelize import apply_moe_tp, parallelize_decoder
 from parallelisms.dtensor import DeviceMesh, Replicate, Shard
 from parallelisms.tensor_parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
+from parallelisms.tensor_parallel.async_styles import async_tp_plan
 
 
-def block_tp_plan(block: nn.Module, tp_mesh: DeviceMesh) -> None:
-    """A Qwen3 block under TP/SP (see the module docstring)."""
-    plan = {
+def block_tp_plan(block: nn.Module, tp_mesh: DeviceMesh, *, async_tp: bool = False) -> None:
+    """A Qwen3 block under TP/SP (see the module docstring); with `async_tp`, its gathers and reduce-scatters run
+    as collective matmuls."""
+    plan: dict[str, ParallelStyle] = {
         "attention_norm": SequenceParallel(),
         # (x, freqs_cis): freqs_cis is a plain replicated tensor and passes through untouched
         "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
@@ -42,7 +45,7 @@ def block_tp_plan(block: nn.Module, tp_mesh: DeviceMesh) -> None:
             "attention.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
         }
     if getattr(block, "moe_enabled", False):
-        parallelize_module(block, tp_mesh, plan)
+        parallelize_module(block, tp_mesh, async_tp_plan(block, plan) if async_tp else plan)
         apply_moe_tp(block, tp_mesh)
         return
     plan |= {
@@ -51,7 +54,7 @@ def block_tp_plan(block: nn.Module, tp_mesh: DeviceMesh) -> None:
         "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
         "feed_forward.w3": ColwiseParallel(),
     }
-    parallelize_module(block, tp_mesh, plan)
+    parallelize_module(block, tp_mesh, async_tp_plan(block, plan) if async_tp else plan)
 
 
 parallelize_qwen3 = partial(parallelize_decoder, block_tp_plan=block_tp_plan)
