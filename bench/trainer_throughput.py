@@ -21,13 +21,16 @@ import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+ASYNC_TP = {"enable_async_tensor_parallel": True}  # TP's collectives as collective matmuls
 LAYOUTS = {  # name: (ranks, threads per rank, dp degree, --parallelism overrides)
     "one": (1, 2, 1, {"data_parallel_shard_degree": 1}),
     "fsdp2": (2, 1, 2, {"data_parallel_shard_degree": 2}),  # also what pure data parallelism did before DDP
     "ep2": (2, 1, 2, {"data_parallel_shard_degree": 2, "expert_parallel_degree": 2}),  # torchtitan_cpu.sh's ep2
     "ddp2": (2, 1, 2, {"data_parallel_replicate_degree": 2, "data_parallel_shard_degree": 1}),
     "tp2": (2, 1, 1, {"data_parallel_shard_degree": 1, "tensor_parallel_degree": 2}),
+    "tp2_async": (2, 1, 1, {"data_parallel_shard_degree": 1, "tensor_parallel_degree": 2, **ASYNC_TP}),
     "fsdp2_tp2": (4, 1, 2, {"data_parallel_shard_degree": 2, "tensor_parallel_degree": 2}),
+    "fsdp2_tp2_async": (4, 1, 2, {"data_parallel_shard_degree": 2, "tensor_parallel_degree": 2, **ASYNC_TP}),
     "cp2": (2, 1, 1, {"data_parallel_shard_degree": 1, "context_parallel_degree": 2}),
 }
 COMPILED = "_compiled"  # a layout's name with this suffix: the same layout, blocks and loss torch.compile'd (inductor)

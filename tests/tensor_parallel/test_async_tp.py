@@ -131,3 +131,16 @@ def test_linears_with_a_matmul_of_their_own_run_synchronously_and_say_so_once() 
         f"async TP: FeedForward's w1, w3 gather their input at once: {why}",
         f"async TP: a row-parallel OwnMatmulLinear reduces, then scatters: {why}",
     ]), said  # fmt: skip
+
+
+def test_the_preflight_says_where_async_tp_cannot_act() -> None:
+    from trainer.config import load_config
+    from trainer.preflight import check_config
+
+    on = "--parallelism.enable_async_tensor_parallel"
+    tp2 = ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
+    assert [w for w in check_config(load_config([on]), world_size=1) if on[2:] in w] == [
+        "parallelism.enable_async_tensor_parallel=true has no effect: tensor_parallel_degree is 1 (no TP collectives "
+        "to overlap)"
+    ]
+    assert not [w for w in check_config(load_config([on, *tp2]), world_size=2) if on[2:] in w]

@@ -287,6 +287,19 @@ def test_float8_matmuls_run_at_the_float8_peak_and_their_casts_cost_memory_traff
     assert done.returncode == 2 and "no float8 tensor cores" in done.stderr, done.stderr
 
 
+def test_async_tp_prices_the_blocks_tp_collectives_under_their_matmuls() -> None:
+    """The same trace and bytes (the rings send what the all-gathers and reduce-scatters do); under async TP the
+    "tp" traffic is exposed only beyond the compute, at least one layer's worth: a shorter step."""
+    tp8 = ("--parallelism.data_parallel_shard_degree", "1", "--parallelism.tensor_parallel_degree", "8")
+    sync = estimate_json("llama3_8b", 8, *tp8, device="h100")
+    ring = estimate_json("llama3_8b", 8, *tp8, "--parallelism.enable_async_tensor_parallel", device="h100")
+    assert ring["ranks"][0]["collectives"] == sync["ranks"][0]["collectives"]
+    assert sync["compute_s"] == ring["compute_s"] and sync["exposed_comm_s"]["tp"] > 0
+    layers = 32  # llama3_8b
+    assert ring["exposed_comm_s"]["tp"] == pytest.approx(sync["exposed_comm_s"]["tp"] / layers)  # below the compute
+    assert ring["step_time_s"] < sync["step_time_s"]
+
+
 def test_degrees_that_do_not_multiply_to_the_world_and_unknown_devices_fail_with_the_arithmetic() -> None:
     done = run_estimate("--parallelism.tensor_parallel_degree", "3", "--world_size", "8", "--device", "h100")
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr

@@ -57,10 +57,12 @@ def tokenizer_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_torchtitan_config_passes_preflight_under_its_degrees(name: str, tokenizer_folder: Path) -> None:
     argv = ["--job.config_file", str(CONFIGS / f"{name}.toml"), "--model.hf_assets_path", str(tokenizer_folder)]
     warnings = check_config(load_config(argv), WORLDS[name])
-    if name == "llama3_405b":  # async TP is only speed, and not built: said; compile under TP runs, silently
-        assert any("enable_async_tensor_parallel" in w for w in warnings), warnings
+    if name == "llama3_405b":  # float8 linears under async TP stay synchronous: said; compile under TP: silent
+        said = [w for w in warnings if "enable_async_tensor_parallel" in w]
+        assert len(said) == 1 and "float8 linears run their TP collectives synchronously" in said[0], warnings
         assert not any("compile" in w for w in warnings), warnings
-        assert not any("float8" in w for w in warnings), warnings  # its FSDP float8 keys act under TP too
+        # its FSDP float8 keys act under TP too
+        assert not any("float8" in w for w in warnings if "enable_async_tensor_parallel" not in w), warnings
 
 
 @pytest.mark.parametrize("name", list(MOE_WORLDS))

@@ -101,16 +101,17 @@ def test_hsdp_trains_exactly_like_fsdp_on_4_ranks(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "layout",
     [
-        ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"],
+        ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2",
+         "--parallelism.enable_async_tensor_parallel"],
         ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
          "--parallelism.tensor_parallel_degree", "2"],
     ],
-    ids=["fsdp2_tp2", "replicate2_tp2"],
+    ids=["fsdp2_async_tp2", "replicate2_tp2"],
 )  # fmt: skip
 def test_tp_layouts_train_like_fsdp2(tmp_path: Path, layout: list[str]) -> None:
     """Same data-parallel degree, same data, and the meta-device init gives every layout the same
-    weights: FSDP x TP and data-parallel x TP on 4 ranks follow FSDP(2) on 2 ranks step for step
-    (fp32; TP reorders sums, hence the tolerance)."""
+    weights: FSDP x async TP (collective matmuls) and data-parallel x TP on 4 ranks follow FSDP(2) on 2 ranks
+    step for step (fp32; TP reorders sums, hence the tolerance)."""
     argv = _SHORT_DEBUG_JOB
     fsdp = _losses(run_world(_train_rank, 2, [*argv, "--job.dump_folder", str(tmp_path / "fsdp")])[0])
     other = _losses(run_world(_train_rank, 4, [*argv, "--job.dump_folder", str(tmp_path / "tp"), *layout])[0])

@@ -184,7 +184,8 @@ class Parallelism:
     disable_loss_parallel: bool = False
     """With TP, gather the logits for the cross-entropy instead of keeping them sharded on the vocabulary."""
     enable_async_tensor_parallel: bool = False
-    """Async TP (collective-matmul overlap): not built yet; TP runs synchronously; accepted with a warning."""
+    """Async TP: TP's all-gathers and reduce-scatters run as rings of sequence chunks under the matmuls
+    (collective matmul), eager and compiled, on every backend; float8 linears stay synchronous."""
     pipeline_parallel_degree: int = 1
     """Pipeline parallelism degree: ranks along the pp mesh dim (outermost), each holding its stages."""
     module_fqns_per_model_part: list[list[str]] | None = None

@@ -192,7 +192,8 @@ def estimate(
             stretch = 1.0 if runtime.pipeline is None else pipeline_stretch(runtime.pipeline)
             trace = trace_step_sampled(cfg, runtime, every_block=every_block)
         compiled = cfg.compile.enable and "model" in cfg.compile.components
-        time = price_step(trace, dims, device, per_node, pipeline_stretch=stretch, compiled=compiled)
+        time = price_step(trace, dims, device, per_node, pipeline_stretch=stretch, compiled=compiled,
+                          async_tp=cfg.parallelism.enable_async_tensor_parallel)  # fmt: skip
         roles.append(Role(name, ranks, trace, time))
     return Estimate(
         world_size, device, dims, tuple(roles), cfg.activation_checkpoint.mode, cfg.training.local_batch_size,

@@ -24,9 +24,13 @@ schedule's makespan, simulated (parallelisms.pipeline_parallel.simulate) with th
 backward two: compute x (makespan / the busiest rank's busy time). Point-to-point passes are priced at
 their sends, exposed.
 
-Exposure: tensor- and context-parallel collectives sit on the critical path (no async TP): fully exposed
-(ring attention's passes overlap its block kernels in practice; the estimate does not credit that), and so
-are expert parallelism's all-to-alls ("ep": the experts wait for their rows). A point-to-point pass is
+Exposure: tensor- and context-parallel collectives sit on the critical path: fully exposed (ring attention's
+passes overlap its block kernels in practice; the estimate does not credit that), and so are expert
+parallelism's all-to-alls ("ep": the experts wait for their rows). Under async TP
+(`parallelism.enable_async_tensor_parallel`) the blocks' TP collectives are rings of passes under their matmuls
+(parallelisms/tensor_parallel/collective_matmul.py), with the same bytes: "tp" is priced as data-parallel
+traffic is, exposed beyond the compute and at least one layer's worth (the embedding's and the output's
+collectives are no rings). A point-to-point pass is
 priced at its send; its receive costs nothing more.
 Data-parallel traffic (FSDP's all-gathers and reduce-scatters, HSDP's and DDP's all-reduces) overlaps the
 layers' compute, prefetched one layer ahead: exposed is what exceeds the compute, and at least the one
@@ -125,10 +129,11 @@ def price_step(
     *,
     pipeline_stretch: float = 1.0,
     compiled: bool = False,
+    async_tp: bool = False,
 ) -> StepTime:
     """The step time of `trace` on `device` (see the module docstring). `pipeline_stretch`: the schedule's
     makespan over one rank's busy time (`pipeline_stretch`); the rest of it is the rank's bubble. `compiled`:
-    the blocks run under torch.compile (float8 casts fused)."""
+    the blocks run under torch.compile (float8 casts fused). `async_tp`: TP's collectives overlap the matmuls."""
     rate = 1e12 * device.efficiency
     float8_s = trace.float8_flops / (device.float8_tflops * rate) if trace.float8_flops else 0.0
     cast_bytes = FLOAT8_CAST_BYTES["compiled" if compiled else "eager"] * trace.float8_casts
@@ -140,7 +145,7 @@ def price_step(
         comm[c.mesh_dim] = comm.get(c.mesh_dim, 0.0) + collective_seconds(c, dims, device, gpus_per_node)
     exposed = {}
     for dim, seconds in comm.items():
-        if dim in OVERLAPPED:
+        if dim in OVERLAPPED or (async_tp and dim == "tp"):
             exposed[dim] = max(seconds - compute_s, seconds / max(trace.n_layers, 1))
         else:
             exposed[dim] = seconds
