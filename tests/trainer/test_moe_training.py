@@ -28,6 +28,7 @@ HSDP = ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data
 LBS2, LBS1 = ["--training.local_batch_size", "2"], ["--training.local_batch_size", "1"]  # dp 2, dp 4: the same batch
 SAC = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]
 EP2, EP4 = ["--parallelism.expert_parallel_degree", "2"], ["--parallelism.expert_parallel_degree", "4"]
+ASYNC_TP = ["--parallelism.enable_async_tensor_parallel"]  # TP's collectives as collective matmuls
 COMPILED = ["--compile.enable", "--compile.backend", "aot_eager"]  # whole blocks; under EP around eager experts
 EP_LAYOUTS = {  # name: (world, flags)
     "ep2": (2, [*EP2, *LBS2]),  # EP(2) is FSDP(2)'s ranks: the experts' FSDP group is one rank
@@ -85,7 +86,7 @@ def one_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[str]
     "family, world, layout",
     [
         ("qwen3", 2, LBS2),  # FSDP(2)
-        ("qwen3", 2, TP2),
+        ("qwen3", 2, [*TP2, *ASYNC_TP]),
         ("qwen3", 4, [*HSDP, *LBS1]),
         ("qwen3", 2, PP2),
         ("qwen3", 2, [*CP2, *SAC]),
@@ -94,12 +95,12 @@ def one_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[str]
         ("deepseek_v3", 2, CP2),
         ("deepseek_v3", 2, [*DDP2, *LBS2]),
         ("qwen3", 2, [*EP2, *LBS2, *COMPILED]),
-        ("deepseek_v3", 2, [*TP2, *COMPILED]),
+        ("deepseek_v3", 2, [*TP2, *ASYNC_TP, *COMPILED]),
         # expert parallelism, borrowing dp_shard, tp or cp ranks (parallelisms/parallel_dims.py), on both families
         *[(family, world, layout) for family in ("qwen3", "deepseek_v3") for world, layout in EP_LAYOUTS.values()],
     ],
-    ids=["qwen3_fsdp2", "qwen3_tp2", "qwen3_hsdp", "qwen3_pp2", "qwen3_cp2_sac", "dsv3_fsdp2_tp2", "dsv3_pp2",
-         "dsv3_cp2", "dsv3_ddp2", "qwen3_ep2_compiled", "dsv3_tp2_compiled",
+    ids=["qwen3_fsdp2", "qwen3_async_tp2", "qwen3_hsdp", "qwen3_pp2", "qwen3_cp2_sac", "dsv3_fsdp2_tp2", "dsv3_pp2",
+         "dsv3_cp2", "dsv3_ddp2", "qwen3_ep2_compiled", "dsv3_async_tp2_compiled",
          *[f"{family}_{name}" for family in ("qwen3", "dsv3") for name in EP_LAYOUTS]],
 )  # fmt: skip
 def test_moe_training_follows_one_process(
