@@ -29,12 +29,14 @@ from .runtime import Runtime
 logger = logging.getLogger(__name__)
 
 
-def build_model(cfg: JobConfig, vocab_size: int, *, n_layers: int | None = None) -> Decoder:
+def build_model(cfg: JobConfig, vocab_size: int, *, eos_id: int | None = None, n_layers: int | None = None) -> Decoder:
     """The family's model of the flavor on the meta device (no memory; `init_model` allocates the shards
-    after parallelization), its vocabulary the tokenizer's and max_seq_len seq_len; with `n_layers`, only
-    its first blocks (the dry run's sampled traces)."""
+    after parallelization), its vocabulary the tokenizer's, its end-of-document token `eos_id` (the tokenizer's:
+    block-causal masking) and max_seq_len seq_len; with `n_layers`, only its first blocks (the dry run's sampled
+    traces)."""
     # the model's name and flavor: checked by check_config, as every entry point runs it first
-    args = job_model_args(cfg.model.name, cfg.model.flavor, vocab_size=vocab_size, max_seq_len=cfg.training.seq_len)
+    args = job_model_args(cfg.model.name, cfg.model.flavor, vocab_size=vocab_size, max_seq_len=cfg.training.seq_len,
+                          **({} if eos_id is None else {"eos_id": eos_id}))  # fmt: skip
     if n_layers is not None:
         args = dataclasses.replace(args, n_layers=n_layers, **_sampled_dense_layers(cfg, args, n_layers))
     if getattr(args, "moe_args", None) is not None:  # torchtitan's training.debug_moe_force_load_balance
@@ -90,10 +92,10 @@ def build_job_optimizer(cfg: JobConfig, model: nn.Module) -> torch.optim.Optimiz
 
 
 def build_model_and_optimizer(
-    cfg: JobConfig, runtime: Runtime, vocab_size: int
+    cfg: JobConfig, runtime: Runtime, vocab_size: int, *, eos_id: int | None = None
 ) -> tuple[nn.Module, torch.optim.Optimizer, LambdaLR]:
     """The parallelized, initialized model, its optimizer and lr scheduler."""
-    model = build_parallel_model(cfg, runtime, vocab_size)
+    model = build_parallel_model(cfg, runtime, vocab_size, eos_id=eos_id)
     optimizer = build_job_optimizer(cfg, model)
     sched = cfg.lr_scheduler
     scheduler = build_lr_scheduler(
@@ -103,11 +105,11 @@ def build_model_and_optimizer(
     return model, optimizer, scheduler
 
 
-def build_parallel_model(cfg: JobConfig, runtime: Runtime, vocab_size: int) -> nn.Module:
+def build_parallel_model(cfg: JobConfig, runtime: Runtime, vocab_size: int, *, eos_id: int | None = None) -> nn.Module:
     """The model parallelized (TP -> AC -> compile -> FSDP/DDP) and initialized; under pipeline parallelism
     this rank's parts (`PipelineParts`, with their `Pipeline`), each initialized from the whole model's
     random stream. One seed gives every layout the same global weights."""
-    whole = build_model(cfg, vocab_size)
+    whole = build_model(cfg, vocab_size, eos_id=eos_id)
     pp = runtime.parallel_dims.pp_enabled
     parts, stage_ids = [whole], [0]
     if pp:

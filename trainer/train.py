@@ -30,6 +30,7 @@ from checkpoint.manager import CheckpointManager
 from checkpoint.stateful import ModelState, OptimizerState, RngState, Stateful
 from models.hf_adapters import hf_adapter
 from models.registry import flops_per_token
+from parallelisms.dtensor.collectives import all_gather_object
 
 from .build import build_model_and_optimizer
 from .checkpointing import TRAINER_ROLES
@@ -159,12 +160,18 @@ def build_components(cfg: JobConfig, runtime: Runtime) -> Components:
     training = cfg.training
     tokenizer = build_model_tokenizer(cfg.model.tokenizer_path, cfg.model.hf_assets_path)
     model, optimizer, scheduler = build_model_and_optimizer(
-        cfg, runtime, model_vocab_size(tokenizer, cfg.model.vocab_size)
+        cfg, runtime, model_vocab_size(tokenizer, cfg.model.vocab_size), eos_id=tokenizer.eos_id
     )
+    dp_group = runtime.world_mesh["dp"].get_group() if runtime.dp_size > 1 else None
+
+    def gather_state(state: dict[str, Any]) -> list[dict[str, Any]]:  # each dp rank knows only its rows' cursors
+        assert dp_group is not None  # called only when dp > 1
+        return cast(list[dict[str, Any]], all_gather_object(state, dp_group))
+
     loader = build_data_loader(
         training.dataset, tokenizer, dataset_path=training.dataset_path, text_field=training.dataset_text_field,
-        local_batch_size=training.local_batch_size, seq_len=training.seq_len,
-        dp_rank=runtime.dp_rank, dp_size=runtime.dp_size, seed=training.seed,
+        dataset_weights=training.dataset_weights, local_batch_size=training.local_batch_size, seq_len=training.seq_len,
+        dp_rank=runtime.dp_rank, dp_size=runtime.dp_size, seed=training.seed, gather_state=gather_state,
         global_batch_size=training.global_batch_size if training.global_batch_size > 0 else None,
     )  # fmt: skip
     balancer = register_expert_balancing(model, optimizer, runtime.dp_cp_mesh)

@@ -11,11 +11,13 @@ sequence sharded across ranks); models/decoder_parallelize.py: apply_cp.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .documents import block_causal_attention
 from .rms_norm import RMSNorm
 from .rope import apply_rotary_emb
 from .split_causal import split_causal_attention, splits_causal_square
@@ -57,6 +59,7 @@ class GroupedQueryAttention(nn.Module):
         *,
         qk_norm: bool = False,
         norm_eps: float = 1e-6,
+        use_flex_attn: bool = False,
     ) -> None:
         super().__init__()
         if n_heads % n_kv_heads:
@@ -70,6 +73,10 @@ class GroupedQueryAttention(nn.Module):
         self.k_norm = RMSNorm(head_dim, eps=norm_eps) if qk_norm else None
         self.positions: Callable[[int], slice | torch.Tensor] = leading_positions
         self.core_attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = causal_attention
+        # block-causal attention over document ids (models/common/documents.py); context parallelism swaps it too
+        self.document_attention: Callable[..., torch.Tensor] = partial(
+            block_causal_attention, causal=causal_attention, use_flex=use_flex_attn
+        )
 
     def init_weights(self, init_std: float) -> None:
         """wq, wk, wv ~ N(0, 0.02) and wo ~ N(0, init_std), cut at [-2, 2]; the QK norms to ones."""
@@ -83,8 +90,9 @@ class GroupedQueryAttention(nn.Module):
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return self.wq(x), self.wk(x), self.wv(x)
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-        """(B, T, D) -> (B, T, D); `freqs_cis` is the whole rotary table, of which `positions` picks the rows."""
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, T, D) -> (B, T, D); `freqs_cis` is the whole rotary table, of which `positions` picks the rows;
+        with `documents` (B, T) document ids, attention stays inside each document (block-causal)."""
         bs, seqlen, _ = x.shape
         # -1: the local head count, n_heads / tp under tensor parallelism
         xq, xk, xv = (t.view(bs, seqlen, -1, self.head_dim) for t in self.project(x))  # (B, T, H|Hkv, Dh)
@@ -92,6 +100,7 @@ class GroupedQueryAttention(nn.Module):
             xq, xk = self.q_norm(xq), self.k_norm(xk)
         xq, xk = apply_rotary_emb(xq, xk, freqs_cis[self.positions(seqlen)])
         xq, xk, xv = (t.transpose(1, 2) for t in (xq, xk, xv))  # (B, H|Hkv, T, Dh)
-        out = self.core_attention(xq, xk, xv)  # (B, H, T, Dh)
+        # (B, H, T, Dh)
+        out = self.core_attention(xq, xk, xv) if documents is None else self.document_attention(xq, xk, xv, documents)
         out = out.transpose(1, 2).contiguous().view(bs, seqlen, -1)  # (B, T, H*Dh)
         return self.wo(out)

@@ -17,6 +17,7 @@ from typing import Any, Protocol, cast
 import torch
 from torch import nn
 
+from .documents import document_ids
 from .feed_forward import FeedForward
 from .moe import MoE
 from .rms_norm import RMSNorm
@@ -68,8 +69,8 @@ class PreNormBlock(nn.Module):
         if self.feed_forward is not None:
             self.feed_forward.init_weights(self.weight_init_std)
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), freqs_cis)
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), freqs_cis, documents=documents)
         ffn = self.moe if self.moe is not None else self.feed_forward
         assert ffn is not None  # exactly one of them is built
         return h + ffn(self.ffn_norm(h))
@@ -96,6 +97,21 @@ class Decoder(nn.Module):
         self.output = nn.Linear(frame.dim, frame.vocab_size, bias=False)  # tied by init_weights when args say so
         self.register_buffer("freqs_cis", self.rotary_table(), persistent=False)
         self.init_weights()
+
+    def document_ids(self, tokens: torch.Tensor, eos_id: int | None) -> torch.Tensor:
+        """(B, T) document ids of `tokens`, each document ending at `eos_id` (default: the args')."""
+        eos_id = getattr(self.model_args, "eos_id", None) if eos_id is None else eos_id
+        if eos_id is None:
+            raise ValueError(
+                "attn_mask_type='block_causal' needs the end-of-document token: call model(tokens, eos_id=...) with "
+                "the tokenizer's EOS id, or set the model args' eos_id"
+            )
+        if tokens.is_floating_point():
+            raise ValueError(
+                "attn_mask_type='block_causal': this pipeline stage gets hidden states, not tokens; pass "
+                "documents=document_ids(tokens, eos_id) (models/common/documents.py) from the first stage's tokens"
+            )
+        return document_ids(tokens, eos_id)
 
     def rotary_table(self) -> torch.Tensor:
         """The family's RoPE rotations e^{i m f_j}, (max_seq_len, rotary_dim / 2) complex64."""
@@ -130,12 +146,19 @@ class Decoder(nn.Module):
         cutoff = 3.0
         nn.init.trunc_normal_(cast(torch.Tensor, output.weight), mean=0.0, std=std, a=-cutoff * std, b=cutoff * std)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, *, eos_id: int | None = None, documents: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Logits (B, T, V) of tokens (B, T); a pipeline part without the embedding takes the previous
-        stage's hidden states (B, T, D) instead, and one without the output returns its own."""
+        stage's hidden states (B, T, D) instead, and one without the output returns its own.
+
+        With `attn_mask_type = "block_causal"` attention stays inside documents (models/common/documents.py): their
+        ids are `documents` (B, T), or are read from the tokens, each ending at `eos_id` (default: the args')."""
+        if documents is None and getattr(self.model_args, "attn_mask_type", "causal") == "block_causal":
+            documents = self.document_ids(tokens, eos_id)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (B, T, D)  S(1) under SP
         for layer in self.layers.values():
-            h = layer(h, self.freqs_cis)
+            h = layer(h, self.freqs_cis) if documents is None else layer(h, self.freqs_cis, documents)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h  # (B, T, V)   S(-1) under loss parallelism

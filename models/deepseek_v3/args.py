@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from models.common.mask_types import check_mask_type
 from models.common.moe_args import MoEArgs
 
 
@@ -22,8 +23,8 @@ class DeepSeekV3ModelArgs:
     Differences from torchtitan v0.2:
     - `n_expert_groups` / `n_limited_groups` > 1 route node-limited (torchtitan's TODO): they are handed to the MoE
       as `MoEArgs.num_expert_groups` / `num_limited_groups` (`moe_layer_args`).
-    - Only `attn_mask_type="causal"` with `use_flex_attn=False` is accepted (block-causal document masking is a
-      later issue); the flavors that torchtitan trains block-causal are causal here.
+    - `attn_mask_type` "block_causal" masks attention at document ends (models/common/documents.py);
+      `use_flex_attn` runs it through FlexAttention where torch can (CUDA). torchtitan's flavors are kept.
     - YaRN applies, as in torchtitan, only when `max_seq_len > original_seq_len` (and `rope_factor > 1`): training
       at the original context or below uses plain RoPE and the plain softmax scale. Hugging Face's DeepseekV3 applies
       YaRN whenever its config has `rope_scaling` of type "yarn", whatever the sequence length, so our logits equal
@@ -67,9 +68,13 @@ class DeepSeekV3ModelArgs:
     v_head_dim: int = 128
     """Per-head value channels."""
     use_flex_attn: bool = False
-    """FlexAttention (torchtitan's block-causal path); only False is supported for now."""
+    """Block-causal attention through FlexAttention where torch runs it forward and backward (CUDA); elsewhere the
+    per-document SDPA kernel. torchtitan's name."""
     attn_mask_type: str = "causal"
-    """"causal" only for now ("block_causal" arrives with document masking)."""
+    """"causal", or "block_causal": attention stays inside the documents packed into a row, each ending at its EOS
+    token (models/common/documents.py). torchtitan's name."""
+    eos_id: int | None = None
+    """The end-of-document token of block-causal masking (the trainer sets it from its tokenizer)."""
     original_seq_len: int = 4096
     """The context the model was pre-trained with; YaRN extends beyond it."""
     rope_theta: float = 10000.0
@@ -88,13 +93,7 @@ class DeepSeekV3ModelArgs:
 
     def check(self) -> None:
         """ValueError naming the field and the fix when the arguments do not fit together."""
-        if self.attn_mask_type != "causal":
-            raise ValueError(
-                f"attn_mask_type={self.attn_mask_type!r}: only 'causal' is supported for now (block-causal document "
-                f"masking is not implemented yet); set attn_mask_type='causal'"
-            )
-        if self.use_flex_attn:
-            raise ValueError("use_flex_attn=True: FlexAttention is not supported yet; set use_flex_attn=False")
+        check_mask_type(self.attn_mask_type)
         if not 0 <= self.n_dense_layers <= self.n_layers:
             raise ValueError(f"n_dense_layers({self.n_dense_layers}) must be between 0 and n_layers({self.n_layers})")
         if self.q_lora_rank < 0 or self.kv_lora_rank < 1:
@@ -230,7 +229,7 @@ def parameter_shapes(args: DeepSeekV3ModelArgs, *, output: bool | None = None) -
 
 
 # torchtitan v0.2's flavors. Its 16B, 236B and 671B train with use_flex_attn=True, attn_mask_type="block_causal";
-# here they are causal (the defaults) until block-causal arrives with the document-masking issue.
+# here they stay causal (the defaults, which the dry run's published comparisons assume): set the two keys to match.
 # fmt: off
 deepseek_v3_configs: dict[str, DeepSeekV3ModelArgs] = {
     "debugmodel": DeepSeekV3ModelArgs(

@@ -8,6 +8,7 @@ Parallelism is applied from outside, by module name: the names here (`layers.N.a
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +16,7 @@ from torch import nn
 
 from models.common.attention import causal_attention, leading_positions
 from models.common.decoder import Decoder, PreNormBlock, depth_init_std
+from models.common.documents import block_causal_attention
 from models.common.feed_forward import FeedForward
 from models.common.moe import MoE
 from models.common.rms_norm import RMSNorm
@@ -77,6 +79,10 @@ class Attention(nn.Module):
         self.core_attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = (
             latent_causal_attention
         )
+        # block-causal attention over document ids (models/common/documents.py); context parallelism swaps it too
+        self.document_attention: Callable[..., torch.Tensor] = partial(
+            block_causal_attention, causal=latent_causal_attention, use_flex=args.use_flex_attn
+        )
         # `k_pe` is one rotary key head shared by every query head. Under tensor parallelism a rank holds some of
         # the heads, so the gradient reaching `k_pe` is a partial sum over the ranks: the TP plan sets this hook to
         # complete it (models/deepseek_v3/parallelize.py); on one device it is the identity
@@ -100,8 +106,9 @@ class Attention(nn.Module):
         assert self.wq_a is not None and self.q_norm is not None and self.wq_b is not None
         return self.wq_b(self.q_norm(self.wq_a(x)))
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-        """(B, T, D) -> (B, T, D); `freqs_cis` is the whole rotary table, of which `positions` picks the rows."""
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, T, D) -> (B, T, D); `freqs_cis` is the whole rotary table, of which `positions` picks the rows;
+        with `documents` (B, T) document ids, attention stays inside each document (block-causal)."""
         bs, seqlen, _ = x.shape
         nope, rope = self.qk_nope_head_dim, self.qk_rope_head_dim
         # -1: the local head count, n_heads / tp under tensor parallelism
@@ -118,7 +125,7 @@ class Attention(nn.Module):
         if self.softmax_scale_correction != 1.0:
             q = q * self.softmax_scale_correction
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, Dqk | Dv)
-        out = self.core_attention(q, k, v)  # (B, H, T, Dv)
+        out = self.core_attention(q, k, v) if documents is None else self.document_attention(q, k, v, documents)
         out = out.transpose(1, 2).contiguous().view(bs, seqlen, -1)  # (B, T, H * Dv)
         return self.wo(out)
 

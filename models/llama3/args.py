@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from models.common.mask_types import check_mask_type
+
 
 @dataclass(frozen=True, kw_only=True)
 class RoPEScalingArgs:
@@ -66,8 +68,17 @@ class TransformerModelArgs:
     parameter, used twice. Hugging Face's name."""
     depth_init: bool = True
     """Scale each block's output-projection init std by its depth (True) or by n_layers (False)."""
+    attn_mask_type: str = "causal"
+    """"causal", or "block_causal": attention stays inside the documents packed into a row, each ending at its
+    EOS token (models/common/documents.py), as Llama 3 was pre-trained. torchtitan's name."""
+    use_flex_attn: bool = False
+    """Block-causal attention through FlexAttention where torch runs it forward and backward (CUDA); elsewhere
+    the per-document SDPA kernel. torchtitan's name."""
+    eos_id: int | None = None
+    """The end-of-document token of block-causal masking (the trainer sets it from its tokenizer)."""
 
     def __post_init__(self) -> None:
+        check_mask_type(self.attn_mask_type)
         n_kv_heads = self.n_heads if self.n_kv_heads is None else self.n_kv_heads
         if self.dim % self.n_heads:
             raise ValueError(f"dim({self.dim}) must be divisible by n_heads({self.n_heads})")
@@ -136,6 +147,8 @@ _LLAMA_3_1_ROPE = RoPEScalingArgs()
 # fmt: off
 llama3_configs: dict[str, TransformerModelArgs] = {
     "debugmodel": TransformerModelArgs(dim=256, n_layers=6, n_heads=16, vocab_size=2048, rope_theta=500000),
+    "debugmodel_flex_attn": TransformerModelArgs(dim=256, n_layers=6, n_heads=16, vocab_size=2048, rope_theta=500000,
+                                                 use_flex_attn=True, attn_mask_type="block_causal"),
     # Llama 3.2 1B: tied embeddings, RoPE scaled x32 (its config.json's factor)
     "1B": TransformerModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5, multiple_of=256,
                                rope_theta=500000, rope_scaling=RoPEScalingArgs(scaling_factor=32.0),

@@ -43,7 +43,7 @@ class Attention(GroupedQueryAttention):
 
     def __init__(self, args: TransformerModelArgs) -> None:
         n_kv_heads = args.n_heads if args.n_kv_heads is None else args.n_kv_heads
-        super().__init__(args.dim, args.n_heads, n_kv_heads, args.head_dim)
+        super().__init__(args.dim, args.n_heads, n_kv_heads, args.head_dim, use_flex_attn=args.use_flex_attn)
 
 
 class TransformerBlock(nn.Module):
@@ -65,8 +65,8 @@ class TransformerBlock(nn.Module):
         self.attention.init_weights(self.weight_init_std)
         self.feed_forward.init_weights(self.weight_init_std)
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), freqs_cis)
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), freqs_cis, documents=documents)
         return h + self.feed_forward(self.ffn_norm(h))
 
 

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from models.common.mask_types import check_mask_type
 from models.common.moe_args import MoEArgs
 
 
@@ -45,11 +46,13 @@ class Qwen3ModelArgs:
     depth_init: bool = True
     """Scale each block's output-projection init std by its depth (True) or by n_layers (False)."""
     use_flex_attn: bool = False
-    """torchtitan's FlexAttention switch; only False (SDPA) is implemented here."""
+    """Block-causal attention through FlexAttention where torch runs it forward and backward (CUDA); elsewhere the
+    per-document SDPA kernel. torchtitan's name."""
     attn_mask_type: str = "causal"
-    """torchtitan's attention mask; only "causal" is implemented here (no "block_causal" document masking)."""
+    """"causal", or "block_causal": attention stays inside the documents packed into a row, each ending at its EOS
+    token (models/common/documents.py). torchtitan's name."""
     eos_id: int = 151645
-    """End-of-sequence token id (torchtitan keeps it for document masking, which needs flex attention)."""
+    """The end-of-document token of block-causal masking (the trainer sets it from its tokenizer)."""
     enable_weight_tying: bool = False
     """The output projection is the token embedding's weight (Qwen3 0.6B, 1.7B, 4B)."""
     moe_enabled: bool = False
@@ -74,13 +77,7 @@ class Qwen3ModelArgs:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim({self.head_dim}) must be even: RoPE rotates channels in pairs")
-        if self.attn_mask_type != "causal":
-            raise ValueError(
-                f"attn_mask_type={self.attn_mask_type!r}: only 'causal' is implemented (document masking needs "
-                f"FlexAttention, which meshtrain lacks); set attn_mask_type='causal'"
-            )
-        if self.use_flex_attn:
-            raise ValueError("use_flex_attn=True: FlexAttention is not implemented; set use_flex_attn=False (SDPA)")
+        check_mask_type(self.attn_mask_type)
         if self.moe_enabled:
             if self.moe_inter_dim < 1:
                 raise ValueError(f"moe_inter_dim({self.moe_inter_dim}) must be >= 1 when moe_enabled")

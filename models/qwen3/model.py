@@ -26,8 +26,9 @@ from .args import Qwen3ModelArgs
 def transformer_block(layer_id: int, args: Qwen3ModelArgs) -> PreNormBlock:
     """Qwen3's block: grouped-query attention with QK-norm, then a dense SwiGLU or, with `moe_enabled`, an MoE."""
     attention = GroupedQueryAttention(
-        args.dim, args.n_heads, args.n_kv_heads, args.head_dim, qk_norm=args.qk_norm, norm_eps=args.norm_eps
-    )
+        args.dim, args.n_heads, args.n_kv_heads, args.head_dim, qk_norm=args.qk_norm, norm_eps=args.norm_eps,
+        use_flex_attn=args.use_flex_attn,
+    )  # fmt: skip
     ffn = (
         MoE(args.moe_args, args.dim, args.moe_inter_dim) if args.moe_enabled else FeedForward(args.dim, args.hidden_dim)
     )

@@ -33,17 +33,18 @@ _said: set[str] = set()
 
 
 def _say_once(message: str) -> None:
-    """Log `message` once per process; while torch.compile traces, at trace time (a log call is not graph code)."""
-
-    def say() -> None:
-        if message not in _said:
-            _said.add(message)
-            logger.warning("async TP: %s", message)
-
+    """Log `message` once per process; while torch.compile traces, at trace time (a log call is not graph code;
+    a comptime function may not close over variables: it reads `message` from this frame)."""
     if traced():
-        comptime(lambda ctx: say())
+        comptime(lambda ctx: _say(ctx.get_local("message").as_python_constant()))
     else:
-        say()
+        _say(message)
+
+
+def _say(message: str) -> None:
+    if message not in _said:
+        _said.add(message)
+        logger.warning("async TP: %s", message)
 
 
 def _sequence_dim(layout: Placement | None, what: str) -> int:

@@ -122,8 +122,9 @@ def test_llama_under_async_tp_equals_sync_tp(backend: str | None) -> None:
     assert not said
 
 
-def test_linears_with_a_matmul_of_their_own_run_synchronously_and_say_so_once() -> None:
-    sync_losses, async_losses, worst, said = run_world(llama_async_against_sync, 2, True, None)[0]
+@pytest.mark.parametrize("backend", [None, "aot_eager"])  # compiled: said while dynamo traces
+def test_linears_with_a_matmul_of_their_own_run_synchronously_and_say_so_once(backend: str | None) -> None:
+    sync_losses, async_losses, worst, said = run_world(llama_async_against_sync, 2, True, backend)[0]
     assert sync_losses == async_losses and worst == 0.0  # the same synchronous collectives
     why = "OwnMatmulLinear runs a matmul of its own"
     assert sorted(said) == sorted([
