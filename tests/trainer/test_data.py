@@ -110,6 +110,21 @@ def _framed(tokenizer: Tokenizer, docs: list[str], epochs: int = 1) -> list[int]
     return one * epochs
 
 
+def _lanes(tokenizer: Tokenizer, docs: list[str], lanes: int, epochs: int = 1) -> list[torch.Tensor]:
+    """What each lane (row of a global batch) of a stream packs: the non-blank documents p = 0, 1, ... (epoch
+    after epoch) with p mod `lanes` = the lane, each framed by BOS/EOS, concatenated."""
+    seq = [d for _ in range(epochs) for d in docs if d.strip()]
+    return [
+        torch.tensor([t for d in seq[j::lanes] for t in tokenizer.encode(d, bos=True, eos=True)]) for j in range(lanes)
+    ]
+
+
+def _rows(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+    """Each row's seq_len+1 windows over `batches` (one micro-batch per global batch), concatenated."""
+    windows = torch.stack([torch.cat([x, y[:, -1:]], 1) for x, y in batches])  # (n, G, T + 1)
+    return [windows[:, j].flatten() for j in range(windows.shape[1])]
+
+
 def _stream_loader(path: Path, *, tokenizer: Tokenizer | None = None, **options: object) -> TokenBatches:
     kwargs = {"local_batch_size": 2, "seq_len": 31, "dp_rank": 0, "dp_size": 1, "seed": 0, **options}
     return build_data_loader("embedded", tokenizer or ByteTokenizer(), dataset_path=str(path), **kwargs)  # type: ignore[arg-type]
@@ -132,16 +147,15 @@ def test_jsonl_stream_packs_framed_documents_in_order_across_epochs(
 ) -> None:
     path = _write_jsonl(tmp_path / "data.jsonl", DOCS)
     caplog.set_level(logging.INFO, logger="trainer.data")
-    loader = _stream_loader(path)
-    expected = torch.tensor(_framed(ByteTokenizer(), DOCS, epochs=3))
-    n_batches = len(expected) // 3 * 3 // 2 // 64  # about 1.5 epochs of micro-batches of 2 x 32 tokens
-    n_windows = 2 * n_batches
-    rows = list(itertools.islice(iter(loader), n_batches))
-    inputs, labels = torch.cat([x for x, _ in rows]), torch.cat([y for _, y in rows])  # (n_windows, 31)
-    assert inputs.shape == labels.shape == (n_windows, 31)
+    loader = _stream_loader(path)  # a global batch of 2 rows: lane 0 packs the even documents, lane 1 the odd
+    expected = _lanes(ByteTokenizer(), DOCS, 2, epochs=3)
+    n_batches = len(expected[0]) // 2 // 32  # about 1.5 epochs of global batches of 2 x 32 tokens
+    batches = list(itertools.islice(iter(loader), n_batches))
+    inputs, labels = torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches])  # (2 n, 31)
+    assert inputs.shape == labels.shape == (2 * n_batches, 31)
     assert torch.equal(inputs[:, 1:], labels[:, :-1])
-    windows = torch.cat([inputs, labels[:, -1:]], dim=1)  # (n_windows, 32) the seq_len+1 windows
-    assert torch.equal(windows.flatten(), expected[: n_windows * 32])  # continuous across the epoch seam
+    for row, lane in zip(_rows(batches), expected, strict=True):
+        assert torch.equal(row, lane[: n_batches * 32])  # continuous across the epoch seam
     assert "epoch 0 ended after 40 documents; re-reading it from the start (epoch 1)" in caplog.text
 
 
@@ -154,20 +168,20 @@ def test_txt_paragraphs_and_parquet_rows_are_documents(tmp_path: Path) -> None:
     (tmp_path / "txt" / "a.txt").write_text("\n\n".join(docs[:6]) + "\n\n\n")  # extra blank lines: no empty docs
     (tmp_path / "txt" / "b.txt").write_text("\n\n\n".join(docs[6:]))
     pq.write_table(pa.table({"content": docs, "n": list(range(12))}), tmp_path / "rows.parquet")
-    expected = torch.tensor(_framed(ByteTokenizer(), docs))
+    expected = _lanes(ByteTokenizer(), docs, 2)
     for loader in (_stream_loader(tmp_path / "txt"), _stream_loader(tmp_path / "rows.parquet", text_field="content")):
-        windows = torch.cat([torch.cat([x, y[:, -1:]], 1) for x, y in itertools.islice(iter(loader), 4)])
-        assert torch.equal(windows.flatten(), expected[: 8 * 32])
+        for row, lane in zip(_rows(list(itertools.islice(iter(loader), 4))), expected, strict=True):
+            assert torch.equal(row, lane[: 4 * 32])
 
 
 def test_dataset_path_folder_is_read_recursively_in_path_order(tmp_path: Path) -> None:
     _write_jsonl(tmp_path / "data" / "b.jsonl", DOCS[20:])
     _write_jsonl(tmp_path / "data" / "a" / "part0.jsonl", DOCS[:20])
     _write_jsonl(tmp_path / "data" / ".cache" / "junk.jsonl", ["never read"])
-    expected = torch.tensor(_framed(ByteTokenizer(), DOCS))
+    expected = _lanes(ByteTokenizer(), DOCS, 2)
     for path in (tmp_path / "data", tmp_path / "data" / "**" / "*.jsonl"):
-        windows = torch.cat([torch.cat([x, y[:, -1:]], 1) for x, y in itertools.islice(iter(_stream_loader(path)), 30)])
-        assert torch.equal(windows.flatten(), expected[: 60 * 32]), path
+        for row, lane in zip(_rows(list(itertools.islice(iter(_stream_loader(path)), 30))), expected, strict=True):
+            assert torch.equal(row, lane[: 30 * 32]), path
 
 
 @pytest.mark.parametrize(
@@ -209,27 +223,46 @@ def _jsonl(tmp_path: Path) -> torch.Tensor | DocumentStream:
     return DocumentStream(local_documents(str(_write_jsonl(tmp_path / "d.jsonl", DOCS)), "text"), ByteTokenizer(), "d")
 
 
-@pytest.mark.parametrize("make_data", [_embedded, _jsonl], ids=["embedded", "jsonl"])
+def _mixed(tmp_path: Path) -> list[DocumentStream]:
+    """Two sources, equal weights: DOCS and their reversal."""
+    return [
+        DocumentStream(
+            local_documents(str(_write_jsonl(tmp_path / f"{name}.jsonl", docs)), "text"), ByteTokenizer(), name
+        )
+        for name, docs in (("fwd", DOCS), ("rev", DOCS[::-1]))
+    ]
+
+
+@pytest.mark.parametrize("make_data", [_embedded, _jsonl, _mixed], ids=["embedded", "jsonl", "mixed"])
 def test_loader_state_resumes_on_another_dp_degree(
-    tmp_path: Path, make_data: Callable[[Path], torch.Tensor | DocumentStream]
+    tmp_path: Path, make_data: Callable[[Path], torch.Tensor | DocumentStream | list[DocumentStream]]
 ) -> None:
     """k global batches on dp=2, the state saved (JSON), then dp=1 and dp=4 continue exactly where an
-    uninterrupted loader goes on (k = 15 is past the jsonl stream's first epoch, mid-document)."""
-    data, k, more = make_data(tmp_path), 15, 3
+    uninterrupted loader goes on (k = 15, 30 for two mixed sources, is past the streams' first epoch, mid-document)."""
+    data, more = make_data(tmp_path), 3
+    k = 30 if isinstance(data, list) else 15  # two sources: each lane reads half as fast
 
     def loaders(dp: int, local: int) -> list[TokenBatches]:
-        return [
-            TokenBatches(data, local_batch_size=local, seq_len=31, dp_rank=r, dp_size=dp, seed=3, global_batch_size=8)
+        group: list[TokenBatches] = []  # gather_state: the all-gather of the ranks' parts, simulated
+        group += [
+            TokenBatches(data, local_batch_size=local, seq_len=31, dp_rank=r, dp_size=dp, seed=3, global_batch_size=8,
+                         gather_state=lambda _: [loader.local_state_dict() for loader in group])
             for r in range(dp)
-        ]
+        ]  # fmt: skip
+        return group
 
     uninterrupted = _global_batches(loaders(1, 4), k + more)
     first = loaders(2, 2)
     assert all(torch.equal(a, b) for a, b in zip(_global_batches(first, k), uninterrupted))
     states = [json.loads(json.dumps(loader.state_dict())) for loader in first]
     assert states[0] == states[1] and states[0]["position"] == k
-    if isinstance(data, DocumentStream):
-        assert states[0]["cursor"]["epoch"] == 1 and states[0]["cursor"]["token_offset"] > 0, states[0]
+    if not isinstance(data, torch.Tensor):  # each lane's [p, epoch, index, used, length]: past the seam, mid-document
+        lanes = [c for source in states[0]["cursor"]["lanes"] for c in source]
+        assert any(c[1] == 1 for c in lanes) and any(0 < c[3] < c[4] for c in lanes), lanes
+        with pytest.raises(ValueError, match=r"lacks lanes \[4, 5, 6, 7\] of 8: each rank holds only its own"):
+            TokenBatches(
+                data, local_batch_size=2, seq_len=31, dp_rank=0, dp_size=2, seed=3, global_batch_size=8
+            ).state_dict()
     for dp, local in ((1, 8), (4, 2)):
         resumed = loaders(dp, local)
         for loader in resumed:
@@ -249,9 +282,10 @@ def test_loader_state_of_another_seq_len_or_batch_is_refused() -> None:
 def test_hf_tokenizer_stream_frames_its_documents(tmp_path: Path) -> None:
     tokenizer = build_tokenizer(str(write_tiny_tokenizer(tmp_path / "tok")))
     loader = _stream_loader(_write_jsonl(tmp_path / "d.jsonl", DOCS), tokenizer=tokenizer)
-    windows = torch.cat([torch.cat([x, y[:, -1:]], 1) for x, y in itertools.islice(iter(loader), 5)])
-    assert torch.equal(windows.flatten(), torch.tensor(_framed(tokenizer, DOCS))[: 10 * 32])
-    assert windows[0, 0] == tokenizer.bos_id and int(windows.max()) < tokenizer.vocab_size
+    batches = list(itertools.islice(iter(loader), 5))
+    for row, lane in zip(_rows(batches), _lanes(tokenizer, DOCS, 2), strict=True):
+        assert torch.equal(row, lane[: 5 * 32])
+        assert row[0] == tokenizer.bos_id and int(row.max()) < tokenizer.vocab_size
 
 
 # ------------------------------------------------------------------------------------- hub names
@@ -380,7 +414,7 @@ def test_a_tiny_dataset_logs_epochs_at_a_bounded_rate_and_warns_once(
     assert 2 <= len(epochs) <= 7, epochs  # ~28 epochs read: reported after 1, 2, 4, 8, 16
     assert epochs[1].startswith(f"dataset {path}: epoch 1 ended after 1 documents") and "after epoch 3" in epochs[1]
     small = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(small) == 1 and "smaller than one global batch: an epoch is 18 tokens (1 documents)" in small[0], small
+    assert len(small) == 1 and "has 1 documents, fewer than the 8 rows of a global batch" in small[0], small
 
 
 def test_resuming_with_another_dp_degree_names_the_global_batch_key() -> None:
@@ -411,3 +445,144 @@ def test_an_unreadable_data_file_is_named_with_its_line_and_the_key(
     with pytest.raises(ValueError, match=rf"training.dataset_path='.*{name}': .*{message}.*Fix or remove it"):
         read = local_documents(str(path), "text")
         list(read(0))
+
+
+# ------------------------------------------------------------------------------ mixing, lanes, packing
+def _letters(letter: str, n: int) -> list[str]:
+    """`n` documents of one letter, of varying length: a row's letter tells its source."""
+    return [letter * (5 + (i * 7) % 23) for i in range(n)]
+
+
+def test_row_sources_give_each_source_its_weight_within_a_thousandth() -> None:
+    from trainer.data.mixing import row_sources, slice_bounds
+
+    for weights in ([0.7, 0.3], [0.5, 0.3, 0.2], [1.0, 0.0, 3.0]):
+        picks = row_sources(slice_bounds(weights), 5, first_row=10**9, count=20_000)  # far in: exact integer math
+        shares = [picks.count(s) / len(picks) for s in range(len(weights))]
+        assert all(abs(share - w / sum(weights)) <= 1e-3 for share, w in zip(shares, weights)), (weights, shares)
+    assert row_sources(slice_bounds([1, 1]), 0, 0, 64) != row_sources(slice_bounds([1, 1]), 1, 0, 64)  # the seed acts
+
+
+def test_mixed_sources_share_tokens_by_weight_within_half_a_percent(tmp_path: Path) -> None:
+    """2,000 rows of 32 tokens over three sources (one of weight 0): each source's share of the tokens is its
+    normalized weight within 0.005, the same at dp 1 and 2, and the weight-0 source is never read."""
+    paths = [_write_jsonl(tmp_path / f"{c}.jsonl", _letters(c, 300)) for c in "abc"]
+    weights = [3.0, 0.0, 1.0]
+
+    def loaders(dp: int) -> list[TokenBatches]:
+        return [
+            build_data_loader(
+                "embedded",
+                ByteTokenizer(),
+                dataset_path=",".join(map(str, paths)),
+                dataset_weights=weights,
+                local_batch_size=8 // dp,
+                seq_len=31,
+                dp_rank=r,
+                dp_size=dp,
+                seed=7,
+            )  # fmt: skip
+            for r in range(dp)
+        ]
+
+    whole = torch.cat(_global_batches(loaders(1), 250))  # (2000, 31)
+    assert all(torch.equal(a, b) for a, b in zip(_global_batches(loaders(2), 20), whole.split(8)))
+    content = whole.masked_fill(whole >= 256, 0).amax(dim=1)  # each row's letter (BOS/EOS masked out)
+    tokens = {c: int((content == ord(c)).sum()) * 32 / (whole.shape[0] * 32) for c in "abc"}
+    assert abs(tokens["a"] - 0.75) <= 0.005 and tokens["b"] == 0 and abs(tokens["c"] - 0.25) <= 0.005, tokens
+
+
+def test_each_dp_rank_tokenizes_only_its_lanes_documents(tmp_path: Path) -> None:
+    """dp=4, G=8: rank r tokenizes documents p with p mod 8 in {2r, 2r + 1}, a quarter of them."""
+    docs = [f"doc{p:03d} " + "x" * (p % 11) for p in range(64)]
+    path = _write_jsonl(tmp_path / "d.jsonl", docs)
+
+    class Counting(ByteTokenizer):
+        def __init__(self) -> None:
+            self.seen: list[int] = []
+
+        def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
+            self.seen.append(int(text[3:6]))
+            return super().encode(text, bos=bos, eos=eos)
+
+    for r in range(4):
+        tokenizer = Counting()
+        loader = build_data_loader("embedded", tokenizer, dataset_path=str(path), local_batch_size=2, seq_len=15,
+                                   dp_rank=r, dp_size=4, seed=0, global_batch_size=8)  # fmt: skip
+        list(itertools.islice(iter(loader), 6))
+        assert tokenizer.seen and {p % 8 for p in tokenizer.seen} == {2 * r, 2 * r + 1}, (r, tokenizer.seen)
+        assert len(set(tokenizer.seen)) <= len(docs) // 4 + 2, r
+
+
+def test_a_document_longer_than_a_window_is_cut_across_one_rows_windows_and_said_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The packer never drops or reorders tokens: a 100-token document spans consecutive windows of one row
+    (lane), the windows after its first start mid-document (no BOS), and one log line says so per dataset."""
+    docs = ["L" * 100, "short one", "M" * 90, "short two"]  # lane 0: the two long documents
+    path = _write_jsonl(tmp_path / "long.jsonl", docs)
+    caplog.set_level(logging.INFO, logger="trainer.data")
+    batches = list(itertools.islice(iter(_stream_loader(path)), 6))  # 2 rows of 32 tokens
+    rows = _rows(batches)
+    assert torch.equal(rows[0], _lanes(ByteTokenizer(), docs, 2, epochs=2)[0][: 6 * 32])
+    windows = rows[0].view(6, 32)
+    assert windows[0, 0] == ByteTokenizer.bos_id and windows[1, 0] == ord("L") and windows[2, 0] == ord("L")
+    cuts = [r.getMessage() for r in caplog.records if "longer than a window" in r.getMessage()]
+    assert len(cuts) == 1 and "document 0 is 102 tokens framed, longer than a window of seq_len+1 = 32" in cuts[0]
+
+
+@pytest.mark.parametrize(
+    ("path", "weights", "message"),
+    [
+        ("{a},{b}", [1.0, -0.5], r"training.dataset_weights=\[1.0, -0.5\]: the weight of '.*b.jsonl' is negative"),
+        ("{a},{b}", [0.0, 0.0], r"training.dataset_weights=\[0.0, 0.0\] sum to 0: .*give at least one path"),
+        ("{a},{b}", [1.0, "x"], r"training.dataset_weights=\[1.0, 'x'\]: the weight of '.*b.jsonl' is 'x', not a"),
+        ("{a},{b}", [1.0], r"has 1 weight\(s\) for 2 training.dataset_path entries .*; give one weight per path"),
+        ("{a},{b},", [], r"training.dataset_path='.*': entry 3 is empty"),
+        ("{a},{nope}", [1.0, 1.0], r"training.dataset_path='.*nope' does not exist; point it at a file"),
+        ("", [1.0], r"training.dataset_weights=\[1.0\] is set but training.dataset_path is empty"),
+    ],
+    ids=["negative", "zero_total", "not_a_number", "count", "empty_entry", "missing_path", "no_path"],
+)
+def test_bad_mixing_input_fails_in_one_line_naming_the_key(
+    tmp_path: Path, path: str, weights: list[float], message: str
+) -> None:
+    from trainer.config.data_files import check_dataset_mix
+
+    files = {c: str(_write_jsonl(tmp_path / f"{c}.jsonl", DOCS[:4])) for c in "ab"}
+    dataset_path = path.format(a=files["a"], b=files["b"], nope=tmp_path / "nope")
+    with pytest.raises((ValueError, TypeError), match=message) as error:
+        check_dataset_mix(dataset_path, weights)
+    assert "\n" not in str(error.value)
+    if dataset_path:  # the loader refuses it the same way
+        with pytest.raises((ValueError, TypeError), match=message):
+            build_data_loader("embedded", ByteTokenizer(), dataset_path=dataset_path, dataset_weights=weights,
+                              local_batch_size=2, seq_len=15, dp_rank=0, dp_size=1, seed=0)  # fmt: skip
+
+
+def test_mixing_weights_are_checked_before_launch(tmp_path: Path) -> None:
+    from trainer.config import load_config
+    from trainer.preflight import check_config
+
+    a, b = (str(_write_jsonl(tmp_path / f"{c}.jsonl", DOCS[:4])) for c in "ab")
+    with pytest.raises(TypeError, match=r"training.dataset_weights='x': expected a float"):
+        load_config(["--training.dataset_weights", "1,x"])
+    cfg = load_config(["--job.dump_folder", str(tmp_path / "out"), "--training.dataset_path", f"{a},{b}",
+                       "--training.dataset_weights", "2,-1"])  # fmt: skip
+    with pytest.raises(ValueError, match=r"the weight of '.*b.jsonl' is negative \(-1.0\)"):
+        check_config(cfg, world_size=1)
+    cfg.training.dataset_weights = [2.0, 1.0]
+    check_config(cfg, world_size=1)
+
+
+def test_a_mixed_state_of_other_weights_is_refused_naming_the_key(tmp_path: Path) -> None:
+    a, b = (str(_write_jsonl(tmp_path / f"{c}.jsonl", DOCS[:8])) for c in "ab")
+
+    def loader(weights: list[float]) -> TokenBatches:
+        return build_data_loader("embedded", ByteTokenizer(), dataset_path=f"{a},{b}", dataset_weights=weights,
+                                 local_batch_size=2, seq_len=15, dp_rank=0, dp_size=1, seed=0)  # fmt: skip
+
+    saved = loader([1.0, 1.0]).state_dict()
+    with pytest.raises(ValueError, match=r"dataset_weights: saved \[0.5, 0.5\], configured \[0.75, 0.25\].* set "
+                                         r"training.dataset_weights=\[0.5, 0.5\]"):  # fmt: skip
+        loader([3.0, 1.0]).load_state_dict(saved)

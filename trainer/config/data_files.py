@@ -1,11 +1,13 @@
 """The data settings pre-flight checks before any rank starts: which files `training.dataset_path`
-names, and how `training.global_batch_size` splits into micro-batches. Torch-free, so
+names (each of its comma-separated entries), their mixing weights (`training.dataset_weights`), and
+how `training.global_batch_size` splits into micro-batches. Torch-free, so
 `trainer.preflight` checks them in milliseconds; `trainer.data` builds the loader on them.
 """
 
 from __future__ import annotations
 
 import glob
+import math
 from pathlib import Path
 
 # file kind -> the `datasets` builder that reads it; compressed files keep the kind of their inner suffix
@@ -72,3 +74,49 @@ def resolve_data_files(dataset_path: str, key: str = "training.dataset_path") ->
             f"documents to train on; point {key} at files holding documents"
         )
     return next(iter(kinds.values())), nonempty  # type: ignore[return-value]
+
+
+def split_dataset_paths(dataset_path: str, weights: list[float]) -> tuple[list[str], list[float]]:
+    """training.dataset_path's comma-separated entries and their mixing weights, normalized to sum to 1
+    (training.dataset_weights; empty: equal). Each bad input fails in one line naming the key and the fix."""
+    paths = [p.strip() for p in dataset_path.split(",")]
+    if len(paths) > 1 and not all(paths):
+        raise ValueError(f"training.dataset_path={dataset_path!r}: entry {paths.index('') + 1} is empty; separate "
+                         f"the paths by single commas, with no trailing comma")  # fmt: skip
+    if not weights:
+        return paths, [1.0 / len(paths)] * len(paths)
+    shown = f"training.dataset_weights={list(weights)!r}"
+    if len(weights) != len(paths):
+        raise ValueError(f"{shown} has {len(weights)} weight(s) for {len(paths)} training.dataset_path entries "
+                         f"{paths}; give one weight per path, in their order")  # fmt: skip
+    for path, w in zip(paths, weights, strict=True):
+        if isinstance(w, bool) or not isinstance(w, int | float) or not math.isfinite(w):
+            raise TypeError(f"{shown}: the weight of {path!r} is {w!r}, not a finite number")
+        if w < 0:
+            raise ValueError(f"{shown}: the weight of {path!r} is negative ({w}); weights must be >= 0 (they are "
+                             f"normalized to sum to 1)")  # fmt: skip
+    total = sum(weights)
+    if total <= 0:
+        raise ValueError(f"{shown} sum to 0: no dataset would be read; give at least one path a positive weight")
+    return paths, [w / total for w in weights]
+
+
+def check_dataset_mix(dataset_path: str, weights: list[float], *, files: bool = True) -> None:
+    """The pre-flight's check of training.dataset_path and training.dataset_weights: the entries and weights
+    agree (`split_dataset_paths`) and, with `files` (not for a dry run planned away from the data), every
+    entry names data files (`resolve_data_files`)."""
+    if weights and not dataset_path:
+        raise ValueError(
+            f"training.dataset_weights={list(weights)!r} is set but training.dataset_path is empty: the weights "
+            f"mix local datasets; set training.dataset_path to comma-separated paths"
+        )
+    if not dataset_path:
+        return
+    paths, _ = split_dataset_paths(dataset_path, weights)
+    for path in paths if files else []:
+        resolve_data_files(path)
+
+
+def dataset_files(dataset_path: str) -> list[Path]:
+    """Every data file of training.dataset_path's entries."""
+    return [f for path in dataset_path.split(",") if path.strip() for f in resolve_data_files(path.strip())[1]]

@@ -128,7 +128,12 @@ class Training:
     (split "train", streamed); with dataset_path set it only names the data."""
     dataset_path: str = ""
     """Local data instead: a file, folder or glob of .txt (each blank-line-separated paragraph a document),
-    .json/.jsonl (JSON lines) or .parquet files, streamed in path order and tokenized on the fly."""
+    .json/.jsonl (JSON lines) or .parquet files, streamed in path order and tokenized on the fly. Several
+    comma-separated paths ("a.jsonl,b/") are mixed by dataset_weights."""
+    dataset_weights: list[float] = field(default_factory=list)
+    """meshtrain: mixing weights of the comma-separated dataset_path entries, one per path in their order
+    (>= 0, normalized to sum to 1; empty: equal): each source's share of the training tokens. Which source
+    fills each row is a function of (seed, row), so the mix is the same at every dp degree and resumes."""
     local_batch_size: int = 2
     """Sequences per data-parallel rank per micro-batch."""
     global_batch_size: int = -1
