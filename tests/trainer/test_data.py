@@ -586,3 +586,40 @@ def test_a_mixed_state_of_other_weights_is_refused_naming_the_key(tmp_path: Path
     with pytest.raises(ValueError, match=r"dataset_weights: saved \[0.5, 0.5\], configured \[0.75, 0.25\].* set "
                                          r"training.dataset_weights=\[0.5, 0.5\]"):  # fmt: skip
         loader([3.0, 1.0]).load_state_dict(saved)
+
+
+def _in_memory(skip: int) -> list[str]:
+    return DOCS[skip:]
+
+
+def _state_after(k: int) -> dict[str, object]:
+    """On a rank of a gloo world: the loader state after k global batches of DOCS (in memory: no `datasets` import
+    in the ranks) at dp = world size, gathered as the trainer gathers it (an all-gather over the dp ranks)."""
+    import torch.distributed as dist
+
+    from parallelisms.dtensor.collectives import all_gather_object
+
+    def gather(state: dict[str, object]) -> list[dict[str, object]]:
+        assert dist.group.WORLD is not None
+        return all_gather_object(state, dist.group.WORLD)  # type: ignore[return-value]
+
+    dp, rank = dist.get_world_size(), dist.get_rank()
+    loader = TokenBatches(DocumentStream(_in_memory, ByteTokenizer(), "docs"), local_batch_size=8 // dp, seq_len=31,
+                          dp_rank=rank, dp_size=dp, seed=0, global_batch_size=8, gather_state=gather)  # fmt: skip
+    list(itertools.islice(iter(loader), k))
+    return loader.state_dict()
+
+
+def test_the_gathered_state_is_every_ranks_and_resumes_in_one_process() -> None:
+    from tests.world import run_world
+
+    states = run_world(_state_after, 2, 12)
+    assert states[0] == states[1]
+
+    def loader() -> TokenBatches:
+        stream = DocumentStream(_in_memory, ByteTokenizer(), "docs")
+        return TokenBatches(stream, local_batch_size=8, seq_len=31, dp_rank=0, dp_size=1, seed=0, global_batch_size=8)
+
+    uninterrupted, resumed = _global_batches([loader()], 15), loader()
+    resumed.load_state_dict(states[0])
+    assert all(torch.equal(a, b) for a, b in zip(_global_batches([resumed], 3), uninterrupted[12:], strict=True))
