@@ -15,7 +15,11 @@ access) but tokenizes and packs only the 1/dp of them dealt to its lanes, which 
 Why lanes, and why G of them: the split must not depend on the dp degree (else a checkpoint could only
 resume on the degree that wrote it, as torchtitan's), and it must give each rank whole rows. G lanes serve
 every dp degree, since dp divides G. Lanes drift apart (each takes documents at its own pace), so a rank's
-one reader per source buffers the documents its slower lanes have not reached yet.
+one reader per source buffers the documents its slower lanes have not reached yet: the documents between its
+slowest and fastest lane, which drift as a random walk (~sqrt(documents per lane) x the spread of document
+lengths), plus whatever a document much longer than a window holds its lane back by. The alternatives were
+worse: one reader per lane reads the stream G/dp times over, and splitting the stream by rank ties the data
+to the dp degree.
 
 The state: each lane's cursor, [p, epoch, index, used, length] per (source, lane): the document p whose
 tokens the lane packs now (raw position `index` in epoch `epoch`, blank ones included), `used` of its
