@@ -573,6 +573,9 @@ def test_mixing_weights_are_checked_before_launch(tmp_path: Path) -> None:
         check_config(cfg, world_size=1)
     cfg.training.dataset_weights = [2.0, 1.0]
     check_config(cfg, world_size=1)
+    cfg.validation.enable, cfg.validation.dataset_path = True, b  # held-out data checked against every entry
+    with pytest.raises(ValueError, match=r"validation.dataset_path='.*b.jsonl' shares files with training"):
+        check_config(cfg, world_size=1)
 
 
 def test_a_mixed_state_of_other_weights_is_refused_naming_the_key(tmp_path: Path) -> None:
