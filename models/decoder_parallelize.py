@@ -15,6 +15,7 @@ ranks outside ep (`dp_shard_mod_ep`) in a group of their own.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from typing import Protocol, cast
 
@@ -23,12 +24,14 @@ from torch import nn
 
 from parallelisms.activation_checkpoint import ACMode, apply_ac
 from parallelisms.context_parallel import RingAttention, RotateMethod, SequenceSharding
+from parallelisms.context_parallel.exchange import whole_sequences
 from parallelisms.data_parallel import replicate
 from parallelisms.dtensor import DeviceMesh, DTensor, Partial, Replicate, Shard
 from parallelisms.dtensor.traceable import compile_whole
 from parallelisms.expert_parallel import ExpertParallel
 from parallelisms.fsdp import MixedPrecisionPolicy, fully_shard
 from parallelisms.parallel_dims import ParallelDims
+from parallelisms.ring_pass import RingGroup
 from parallelisms.tensor_parallel import (
     ColwiseParallel,
     PrepareModuleInputOutput,
@@ -185,6 +188,10 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, rotate_method: RotateMeth
     for block in model.layers.values():  # type: ignore[operator]
         block.attention.positions = positions
         block.attention.core_attention = ring
+        block.attention.document_attention = ring  # (q, k, v, documents): the whole rows' document ids
+    # block-causal: the document ids come from the whole rows, gathered from every cp rank's share of the tokens
+    ring_group, ids_of = RingGroup.of(cp_mesh), cast(Callable[..., torch.Tensor], model.document_ids)
+    model.document_ids = lambda tokens, eos_id: ids_of(whole_sequences(tokens, sharding, ring_group), eos_id)  # type: ignore[assignment]
 
 
 def apply_compile(model: nn.Module, backend: str, *, experts_eager: bool = False) -> None:

@@ -197,10 +197,8 @@ def _check_block_causal(cfg: JobConfig, args: object) -> None:
     if getattr(args, "attn_mask_type", "causal") != "block_causal":
         return
     p = cfg.parallelism
-    # the later pipeline stages see hidden states, and a context-parallel rank a share of each sequence: the
-    # document ids would have to come from the whole rows, which these layouts do not carry yet
-    for key, degree in (("pipeline_parallel_degree", p.pipeline_parallel_degree),
-                        ("context_parallel_degree", p.context_parallel_degree)):  # fmt: skip
+    # the later pipeline stages see hidden states: the document ids would have to travel with them
+    for key, degree in (("pipeline_parallel_degree", p.pipeline_parallel_degree),):
         if degree > 1:
             raise ValueError(
                 f"the {cfg.model.name} {cfg.model.flavor} flavor masks attention block-causally (attn_mask_type="

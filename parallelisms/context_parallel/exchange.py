@@ -14,7 +14,16 @@ import torch
 from parallelisms.dtensor import collectives
 from parallelisms.ring_pass import PendingPass, RingGroup, start_pass
 
-__all__ = ["PendingPass", "RingGroup", "all_gather_blocks", "reduce_scatter_blocks", "start_pass"]
+from .sequence import SequenceSharding
+
+__all__ = ["PendingPass", "RingGroup", "all_gather_blocks", "reduce_scatter_blocks", "start_pass", "whole_sequences"]
+
+
+def whole_sequences(local: torch.Tensor, sharding: SequenceSharding, ring: RingGroup) -> torch.Tensor:
+    """(B, T) from every rank's (B, T / cp) share of the same rows (e.g. the tokens: block-causal attention
+    needs the whole rows' document ids)."""
+    gathered = collectives.all_gather(local.contiguous(), 1, ring.group, [local.shape[1]] * ring.size)
+    return sharding.unshard(list(gathered.chunk(ring.size, dim=1)))
 
 
 def all_gather_blocks(kv: torch.Tensor, ring: RingGroup) -> torch.Tensor:

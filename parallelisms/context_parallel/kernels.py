@@ -6,7 +6,8 @@ block's slice of the global softmax, and D = rowsum(dout * out) its global corre
 "flash": SDPA's flash kernels, which return the log-sum-exp (CPU: fp32/bf16/fp16, any head dim, grouped
 K/V heads; CUDA: fp16/bf16, head dim <= 256 and a multiple of 8, K/V heads repeated to the query heads).
 "math": the same computation in fp32 torch ops, exact, for everything else. "auto" picks flash where it
-applies.
+applies. A block under a document `mask` (block-causal attention) runs "math": the flash kernels take none.
+A query the mask hides every key of gets out 0 and lse -inf, which the merge ignores.
 """
 
 from __future__ import annotations
@@ -31,11 +32,19 @@ def choose_kernel(kernel: Kernel, q: torch.Tensor) -> Literal["flash", "math"]:
 
 
 def block_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float, kernel: Literal["flash", "math"]
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float,
+    kernel: Literal["flash", "math"],
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out (B, H, Lq, Dh) in q's dtype, lse (B, H, Lq) fp32) of q (B, H, Lq, Dh) against k, v (B, Hkv, Lk, Dh)."""
-    if kernel == "math":
-        return _math_forward(q, k, v, causal=causal, scale=scale)
+    """(out (B, H, Lq, Dh) in q's dtype, lse (B, H, Lq) fp32) of q (B, H, Lq, Dh) against k, v (B, Hkv, Lk, Dh);
+    `mask` (B, 1, Lq, Lk) bool: the pairs that may attend (documents)."""
+    if kernel == "math" or mask is not None:
+        return _math_forward(q, k, v, causal=causal, scale=scale, mask=mask)
     if q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
         return out, lse
@@ -55,10 +64,11 @@ def block_backward(
     causal: bool,
     scale: float,
     kernel: Literal["flash", "math"],
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The block's (dq, dk, dv), shaped like q, k, v, given the merged `out` and `lse` of these queries."""
-    if kernel == "math":
-        return _math_backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
+    if kernel == "math" or mask is not None:
+        return _math_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, mask=mask)
     if q.device.type == "cpu":
         grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal, scale=scale
@@ -87,22 +97,28 @@ def _sum_kv(grad: torch.Tensor, n_kv: int) -> torch.Tensor:
     return grad if h == n_kv else grad.view(b, n_kv, h // n_kv, length, dh).sum(2)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, *, causal: bool, scale: float) -> torch.Tensor:
-    """fp32 q k^T * scale, (B, H, Lq, Lk); the causal square masks keys after each query with -inf."""
+def _scores(
+    q: torch.Tensor, k: torch.Tensor, *, causal: bool, scale: float, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """fp32 q k^T * scale, (B, H, Lq, Lk); the causal square masks keys after each query with -inf, and `mask`
+    (allowed pairs) every other pair."""
     s = torch.matmul(q.float(), _repeat_kv(k, q.shape[1]).float().transpose(-1, -2)) * scale
     if causal:
         lq, lk = s.shape[-2:]
-        mask = torch.ones(lq, lk, dtype=torch.bool, device=s.device).triu(1)
-        s = s.masked_fill(mask, float("-inf"))
+        s = s.masked_fill(torch.ones(lq, lk, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
     return s
 
 
 def _math_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float, mask: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    s = _scores(q, k, causal=causal, scale=scale)
+    s = _scores(q, k, causal=causal, scale=scale, mask=mask)
     lse = torch.logsumexp(s, dim=-1)
-    out = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), _repeat_kv(v, q.shape[1]).float())
+    # a query that sees no key here: lse -inf, out 0 (not exp(-inf + inf) = nan)
+    finite = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    out = torch.matmul(torch.exp(s - finite.unsqueeze(-1)), _repeat_kv(v, q.shape[1]).float())
     return out.to(q.dtype), lse
 
 
@@ -116,9 +132,11 @@ def _math_backward(
     *,
     causal: bool,
     scale: float,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     n_kv = k.shape[1]
-    p = torch.exp(_scores(q, k, causal=causal, scale=scale) - lse.unsqueeze(-1))  # the global softmax's block
+    # the global softmax's block (every query sees at least itself: the merged lse is finite)
+    p = torch.exp(_scores(q, k, causal=causal, scale=scale, mask=mask) - lse.unsqueeze(-1))
     do = dout.float()
     dv = torch.matmul(p.transpose(-1, -2), do)
     dp = torch.matmul(do, _repeat_kv(v, q.shape[1]).float().transpose(-1, -2))

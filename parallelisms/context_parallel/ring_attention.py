@@ -22,6 +22,7 @@ from .blocks import Block, attention_block, ring_sources
 from .exchange import PendingPass, RingGroup, all_gather_blocks, reduce_scatter_blocks, start_pass
 from .kernels import Kernel, block_backward, block_forward, choose_kernel
 from .merge import merge_into
+from .sequence import rank_positions
 
 RotateMethod = Literal["allgather", "alltoall"]
 ROTATE_METHODS: tuple[RotateMethod, ...] = ("allgather", "alltoall")
@@ -81,28 +82,56 @@ def _block_keys(block: Block, q: torch.Tensor, kv: torch.Tensor) -> tuple[slice,
     return block.queries.select(q.shape[2]), kv[0][:, :, ks].contiguous(), kv[1][:, :, ks].contiguous()
 
 
+class DocumentBlocks:
+    """Block-causal attention under CP: the pairs of a block that share a document, from the whole sequences'
+    document ids (B, T) and each rank's global positions. A block whose pairs share none is skipped (eager: it
+    reads one flag to the host; while traced every block runs, masked)."""
+
+    def __init__(self, documents: torch.Tensor, plan: RingPlan, local_len: int) -> None:
+        ring, total = plan.ring, local_len * plan.ring.size
+        positions = [
+            rank_positions(total, ring.size, r, plan.load_balance).to(documents.device) for r in range(ring.size)
+        ]
+        self.of_rank = [documents.index_select(1, p) for p in positions]  # (B, L) per rank
+        self.rank, self.local_len = ring.rank, local_len
+
+    def mask(self, src: int, block: Block) -> torch.Tensor | None:
+        """(B, 1, Lq, Lk) bool of the block's pairs in one document; None when it has none (skip the block)."""
+        queries = self.of_rank[self.rank][:, block.queries.select(self.local_len)]
+        keys = self.of_rank[src][:, block.keys.select(self.local_len)]
+        mask = queries[:, None, :, None] == keys[:, None, None, :]
+        if not torch.compiler.is_compiling() and not bool(mask.any()):
+            return None
+        return mask
+
+
 def ring_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse (fp32)) of this rank's queries over every rank's keys."""
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan, scale: float,
+    documents: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(out, lse (fp32)) of this rank's queries over every rank's keys; with `documents` (B, T) the whole
+    sequences' document ids, within documents only."""
     kernel = choose_kernel(plan.kernel, q)
     source = KVSource(torch.stack([k, v]), plan)
+    docs = None if documents is None else DocumentBlocks(documents, plan, q.shape[2])
 
-    def attend(src: int, block: Block) -> tuple[slice, torch.Tensor, torch.Tensor]:
+    def attend(src: int, block: Block, mask: torch.Tensor | None) -> tuple[slice, torch.Tensor, torch.Tensor]:
         qs, k_b, v_b = _block_keys(block, q, source.next(src))
-        out, lse = block_forward(q[:, :, qs], k_b, v_b, causal=block.causal, scale=scale, kernel=kernel)
+        out, lse = block_forward(q[:, :, qs], k_b, v_b, causal=block.causal, scale=scale, kernel=kernel, mask=mask)
         return qs, out, lse
 
     (own_src, own_block), *others = plan.blocks()
     assert own_block is not None, "a rank's queries always see its own keys"
-    _, out, lse = attend(own_src, own_block)  # covers every query: the accumulators start from it
+    own_mask = None if docs is None else docs.mask(own_src, own_block)  # never None: a token shares its document
+    _, out, lse = attend(own_src, own_block, own_mask)  # covers every query: the accumulators start from it
     # copies (strides kept): the merge writes into them, and selective AC may have cached the kernel's output
     acc_out, acc_lse = out.to(torch.float32, copy=True), lse.to(torch.float32, copy=True)
     for src, block in others:
-        if block is None:
+        mask = None if docs is None or block is None else docs.mask(src, block)
+        if block is None or (docs is not None and mask is None):
             source.next(src)  # the ring still passes these K/V on
             continue
-        qs, out, lse = attend(src, block)
+        qs, out, lse = attend(src, block, mask)
         merge_into(acc_out[:, :, qs], acc_lse[:, :, qs], out, lse)
     return acc_out.to(q.dtype), acc_lse
 
@@ -116,10 +145,12 @@ def ring_backward(
     lse: torch.Tensor,
     plan: RingPlan,
     scale: float,
+    documents: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of this rank's shards: each block's backward given the merged out and lse, dq kept
     here, every block's dK/dV returned to the rank that owns it."""
     kernel = choose_kernel(plan.kernel, q)
+    docs = None if documents is None else DocumentBlocks(documents, plan, q.shape[2])
     ring = plan.ring
     kv = torch.stack([k, v])
     source = KVSource(kv, plan)
@@ -131,12 +162,13 @@ def ring_backward(
     for src, block in plan.blocks():
         kv_src = source.next(src)
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
-        if block is not None:
+        mask = None if docs is None or block is None else docs.mask(src, block)
+        if block is not None and (docs is None or mask is not None):
             qs, k_b, v_b = _block_keys(block, q, kv_src)
             ks = block.keys.select(k.shape[2])
             dq_b, dk_b, dv_b = block_backward(
                 dout[:, :, qs], q[:, :, qs], k_b, v_b, out[:, :, qs], lse[:, :, qs].contiguous(),
-                causal=block.causal, scale=scale, kernel=kernel,
+                causal=block.causal, scale=scale, kernel=kernel, mask=mask,
             )  # fmt: skip
             dq[:, :, qs] += dq_b
             dkv[0][:, :, ks] += dk_b
@@ -162,10 +194,11 @@ class _RingAttentionFunction(torch.autograd.Function):
     @torch.autocast("cpu", enabled=False)
     @torch.autocast("cuda", enabled=False)
     def forward(
-        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan, scale: float
-    ) -> torch.Tensor:
-        out, lse = ring_forward(q, k, v, plan, scale)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan, scale: float,
+        documents: torch.Tensor | None,
+    ) -> torch.Tensor:  # fmt: skip
+        out, lse = ring_forward(q, k, v, plan, scale, documents)
+        ctx.save_for_backward(q, k, v, out, lse, documents)
         ctx.plan, ctx.scale = plan, scale
         return out
 
@@ -174,9 +207,9 @@ class _RingAttentionFunction(torch.autograd.Function):
     @torch.autocast("cpu", enabled=False)
     @torch.autocast("cuda", enabled=False)
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.plan, ctx.scale)
-        return dq, dk, dv, None, None
+        q, k, v, out, lse, documents = ctx.saved_tensors
+        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.plan, ctx.scale, documents)
+        return dq, dk, dv, None, None, None
 
 
 class RingAttention:
@@ -199,7 +232,11 @@ class RingAttention:
             )
         self.plan = RingPlan(RingGroup.of(cp_mesh), causal, load_balance, rotate_method, kernel)
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Attention of this rank's shards; with `documents` (B, T), the whole sequences' document ids, each
+        token sees only its own document's earlier tokens (block-causal)."""
         if q.shape[2] != k.shape[2] or k.shape[:-1] != v.shape[:-1] or q.shape[-1] != k.shape[-1]:
             raise ValueError(
                 f"ring attention: q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} must hold the same "
@@ -213,7 +250,7 @@ class RingAttention:
             # narrower values (DeepSeek's latent attention: 128 against 192): the kernels take one head size, so v
             # gets zero channels, which the output then has as zeros (the weights are the same) and drops
             width = v.shape[-1]
-            return self(q, k, torch.nn.functional.pad(v, (0, q.shape[-1] - width)))[..., :width]
+            return self(q, k, torch.nn.functional.pad(v, (0, q.shape[-1] - width)), documents)[..., :width]
         if q.shape[1] % k.shape[1]:
             raise ValueError(f"ring attention: {q.shape[1]} query heads do not group over {k.shape[1]} K/V heads")
         if self.plan.load_balance and self.plan.causal and q.shape[2] % 2:
@@ -221,11 +258,14 @@ class RingAttention:
                 f"ring attention: a load-balanced shard holds two equal chunks, but this rank has {q.shape[2]} "
                 f"tokens (odd); the sequence length must divide by 2 x the context parallel degree"
             )
-        return ring_attention(q, k, v, self.plan, q.shape[-1] ** -0.5)
+        return ring_attention(q, k, v, self.plan, q.shape[-1] ** -0.5, documents)
 
 
 @torch._dynamo.allow_in_graph
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan, scale: float) -> torch.Tensor:
+def ring_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan, scale: float,
+    documents: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
     """Ring attention as one call of a compiled graph (the plan a constant of it): AOT autograd traces its
     forward and backward, whose collectives are then functional (exchange.py)."""
-    return _RingAttentionFunction.apply(q, k, v, plan, scale)
+    return _RingAttentionFunction.apply(q, k, v, plan, scale, documents)

@@ -239,3 +239,55 @@ def test_cp2_attention_activations_per_rank_are_at_most_0_6_of_one_process() -> 
     print(f"attention activations at seq {seq}: one process {one / 2**20:.1f} MiB, CP(2) per rank "
           f"{max(cp2) / 2**20:.1f} MiB ({ratio:.2f}x)")  # fmt: skip
     assert ratio <= 0.6, (one, cp2)
+
+
+def _ring_documents(method: str, eos_at: list[list[int]]) -> int:
+    """Block-causal ring attention (the whole rows' document ids given; row b's EOS tokens at eos_at[b]) against
+    the masked SDPA of one process, forward and backward (the math kernel computes in float32); returns the blocks
+    this rank skipped (no pair shares a document)."""
+    from models.common.documents import block_causal_mask, document_ids, masked_attention
+    from parallelisms.context_parallel import ring_attention as ring_module
+    from parallelisms.dtensor import init_device_mesh
+
+    w, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (w,), mesh_dim_names=("cp",))
+    q, k, v, dout = _qkv(torch.float32)
+    tokens = torch.full((B, T), 2)
+    for row, ends in enumerate(eos_at):
+        tokens[row, ends] = 1
+    documents = document_ids(tokens, 1)
+    whole = [t.clone().requires_grad_() for t in (q, k, v)]
+    masked_attention(*whole, block_causal_mask(documents)).backward(dout)
+    sharding = SequenceSharding(w, rank, True)
+    ql, kl, vl = (sharding.shard(t, 2).requires_grad_() for t in (q, k, v))
+    attention = RingAttention(mesh, causal=True, load_balance=True, rotate_method=method)  # type: ignore[arg-type]
+    skipped, mask_of = [0], ring_module.DocumentBlocks.mask
+
+    def counting(self, src, block):  # type: ignore[no-untyped-def]
+        found = mask_of(self, src, block)
+        skipped[0] += found is None
+        return found
+
+    ring_module.DocumentBlocks.mask = counting  # type: ignore[method-assign]
+    try:
+        out = attention(ql, kl, vl, documents)
+        out.backward(sharding.shard(dout, 2))
+    finally:
+        ring_module.DocumentBlocks.mask = mask_of  # type: ignore[method-assign]
+    ref = [masked_attention(*whole, block_causal_mask(documents)).detach(), *(t.grad for t in whole)]
+    for ours, theirs in zip((out, ql.grad, kl.grad, vl.grad), ref):
+        torch.testing.assert_close(ours, sharding.shard(theirs, 2), **TOL[torch.float32])
+    return skipped[0]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("method", ["allgather", "alltoall"])
+def test_block_causal_ring_attention_equals_one_process_and_skips_blocks_without_a_shared_document(
+    world: int, method: str
+) -> None:
+    """Row 0's documents end at 6, 7 (one token), 17 and the row's end, row 1 is one document: every block has a
+    shared pair in row 1, none is skipped. With both rows cut after 7 and 23, the blocks of queries in 8..23
+    against keys in 0..7, and of 24..31 against 8..23, share none: skipped, forward and backward."""
+    assert sum(run_world(_ring_documents, world, method, [[6, 7, 17, T - 1], []])) == 0
+    skipped = run_world(_ring_documents, world, method, [[7, 23], [7, 23]])
+    assert sum(skipped) > 0, skipped

@@ -152,10 +152,15 @@ _LAYOUTS = {
     "fsdp2": (2, []),
     "tp2_async": (2, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
                       "--parallelism.enable_async_tensor_parallel"]),
+    # the ids of the whole rows, gathered from the cp shares of the tokens; ring attention skips unshared blocks
+    "cp2_allgather": (2, ["--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree",
+                          "1"]),
+    "cp2_alltoall": (2, ["--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree",
+                         "1", "--parallelism.context_parallel_rotate_method", "alltoall"]),
 }  # fmt: skip
 
 
-def test_block_causal_training_follows_one_process_under_fsdp_and_async_tp(tmp_path: Path) -> None:
+def test_block_causal_training_follows_one_process_under_fsdp_async_tp_and_cp(tmp_path: Path) -> None:
     from tests.trainer.test_train import _SHORT_DEBUG_JOB, _losses, _train_rank
     from tests.world import run_world
 
@@ -167,11 +172,11 @@ def test_block_causal_training_follows_one_process_under_fsdp_and_async_tp(tmp_p
         assert other == pytest.approx(one, abs=2e-4), (name, one, other)  # logged to 4 decimals
 
 
-def test_block_causal_under_pipeline_or_context_parallelism_is_refused_before_launch() -> None:
+def test_block_causal_under_pipeline_parallelism_is_refused_before_launch() -> None:
     from trainer.config import load_config
     from trainer.preflight import check_config
 
-    for key in ("pipeline_parallel_degree", "context_parallel_degree"):
-        cfg = load_config([*_FLEX_JOB, f"--parallelism.{key}", "2", "--parallelism.data_parallel_shard_degree", "1"])
-        with pytest.raises(ValueError, match=rf"attn_mask_type='block_causal'\), which parallelism.{key}=2 does not"):
-            check_config(cfg, world_size=2)
+    key = "pipeline_parallel_degree"
+    cfg = load_config([*_FLEX_JOB, f"--parallelism.{key}", "2", "--parallelism.data_parallel_shard_degree", "1"])
+    with pytest.raises(ValueError, match=rf"attn_mask_type='block_causal'\), which parallelism.{key}=2 does not"):
+        check_config(cfg, world_size=2)
