@@ -2,7 +2,9 @@
 16 channels), rows of documents averaging a quarter of seq_len (lengths uniform in [seq/8, 3 seq/8]), at
 seq_len 2048 and 8192, interleaved rounds, medians. Block-causal runs the per-document SDPA kernel
 (models/common/documents.py), which skips every block the documents mask out; causal runs the model's causal
-attention. Prints one JSON line: per seq_len the medians and block-causal / causal.
+attention. Prints one JSON line: per seq_len the medians and block-causal / causal, and under CP (head-tail
+sharding, 2 and 4 ranks) each rank's attention work on the same rows: the query-key pairs in one document it must
+compute, and the pairs of the ring blocks it does compute (a block sharing no document is skipped).
 
     python bench/document_attention.py --rounds 5
 """
@@ -21,7 +23,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from models.common.attention import causal_attention
-from models.common.documents import block_causal_attention, document_ids
+from models.common.documents import block_causal_attention, block_causal_mask, document_ids
+from parallelisms.context_parallel import attention_block, rank_positions, ring_sources
 
 EOS = 1
 
@@ -72,7 +75,36 @@ def main() -> None:
             "documents_per_row": int(documents[0, -1]) + 1,
             "block_causal_over_causal": round(medians["block_causal"] / medians["causal"], 3),
         }
+        result[seq]["cp_work"] = {cp: cp_work(documents, cp) for cp in (2, 4)}
     print(json.dumps(result))
+
+
+def cp_work(documents: torch.Tensor, cp: int) -> dict[str, object]:
+    """Per cp rank: the query-key pairs that share a document (needed) and the pairs of the blocks it computes;
+    max / min of each over the ranks."""
+    seq = documents.shape[1]
+    allowed = block_causal_mask(documents)[:, 0]  # (B, T, T)
+    needed, computed = [], []
+    for rank in range(cp):
+        mine = rank_positions(seq, cp, rank, True)
+        needed.append(int(allowed[:, mine].sum()))
+        total = 0
+        for src in ring_sources(rank, cp):
+            block = attention_block(rank, src, causal=True, load_balance=True)
+            if block is None:
+                continue
+            theirs = rank_positions(seq, cp, src, True)
+            q = mine[block.queries.select(len(mine))]
+            k = theirs[block.keys.select(len(theirs))]
+            if bool(allowed[:, q][:, :, k].any()):
+                total += documents.shape[0] * len(q) * len(k)
+        computed.append(total)
+    return {
+        "needed_pairs": needed,
+        "needed_max_over_min": round(max(needed) / min(needed), 3),
+        "computed_pairs": computed,
+        "computed_max_over_min": round(max(computed) / min(computed), 3),
+    }
 
 
 if __name__ == "__main__":
