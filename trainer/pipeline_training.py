@@ -18,6 +18,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -111,6 +112,15 @@ class Pipeline:
     def tie_group(self) -> dist.ProcessGroup | None:
         return None if self.tie_group_ref is None else self.tie_group_ref()
 
+    def microbatch_kwargs(self, inputs: torch.Tensor, n: int) -> list[dict[str, Any]] | None:
+        """Per pipeline microbatch, the keyword arguments every stage's forward needs besides its input: under
+        block-causal attention the document ids, read from the tokens, which every rank of the pipeline holds
+        (the later stages see hidden states). None otherwise."""
+        part = self.model.parts[0]
+        if getattr(part.model_args, "attn_mask_type", "causal") != "block_causal":
+            return None
+        return [{"documents": ids} for ids in part.document_ids(inputs, None).chunk(n)]
+
     def runner(
         self, loss_fn: object, num_microbatches: int | None = None, loss_context: object = None
     ) -> PipelineSchedule:
@@ -171,7 +181,8 @@ def pipeline_train_step(
     n = pipeline.num_microbatches
     for i, (inputs, labels) in enumerate(micro_batches):  # (B, T) each, B = n pipeline microbatches
         chunks = list(inputs.chunk(n)) if first else None
-        result = runner.step(chunks, list(labels.chunk(n)) if last else None, sync_grads=i == len(micro_batches) - 1)
+        result = runner.step(chunks, list(labels.chunk(n)) if last else None, sync_grads=i == len(micro_batches) - 1,
+                             module_kwargs=pipeline.microbatch_kwargs(inputs, n))  # fmt: skip
         for loss in result.losses:  # under loss parallelism a DTensor, Replicate over tp
             total = total + (loss.full_tensor() if isinstance(loss, DTensor) else loss)
     dist.all_reduce(total, group=pipeline.pp_group)  # the last stage's loss, on every stage (for the log)
@@ -255,7 +266,10 @@ def pipeline_token_loss(
         n = inputs.shape[0] // microbatch_size  # (B, T) -> n microbatches of (mb, T)
         runner = pipeline.runner(summed, num_microbatches=n)
         first, last = pipeline.stages[0].is_first, any(s.is_last for s in pipeline.stages)
-        losses = runner.forward_only(list(inputs.chunk(n)) if first else None, list(labels.chunk(n)) if last else None)
+        losses = runner.forward_only(
+            list(inputs.chunk(n)) if first else None, list(labels.chunk(n)) if last else None,
+            module_kwargs=pipeline.microbatch_kwargs(inputs, n),
+        )  # fmt: skip
         total = sum(losses, torch.zeros((), device=inputs.device))
         dist.all_reduce(total, group=pipeline.pp_group)
         return total

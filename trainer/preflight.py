@@ -189,22 +189,6 @@ def check_names(cfg: JobConfig) -> None:
         )
     if cfg.optimizer.name != "AdamW":
         raise ValueError(f"optimizer.name={cfg.optimizer.name!r}: only 'AdamW' is available")
-    _check_block_causal(cfg, args)
-
-
-def _check_block_causal(cfg: JobConfig, args: object) -> None:
-    """Block-causal masking where it is not built yet: one line naming the flavor's key and the way out."""
-    if getattr(args, "attn_mask_type", "causal") != "block_causal":
-        return
-    p = cfg.parallelism
-    # the later pipeline stages see hidden states: the document ids would have to travel with them
-    for key, degree in (("pipeline_parallel_degree", p.pipeline_parallel_degree),):
-        if degree > 1:
-            raise ValueError(
-                f"the {cfg.model.name} {cfg.model.flavor} flavor masks attention block-causally (attn_mask_type="
-                f"'block_causal'), which parallelism.{key}={degree} does not carry yet; use a causal flavor or "
-                f"parallelism.{key}=1"
-            )
 
 
 def _check_unavailable(cfg: JobConfig) -> None:

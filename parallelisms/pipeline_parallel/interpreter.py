@@ -85,6 +85,7 @@ class _StepState:
     targets: Sequence[torch.Tensor] | None
     sync_grads: bool
     last_weights: dict[int, int]  # stage -> index of the action that completes its weight gradients
+    module_kwargs: Sequence[dict[str, Any]] | None = None  # per microbatch, for every stage's module
     live: dict[tuple[int, int], _Activations] = field(default_factory=dict)  # (stage, microbatch)
     recvs: dict[tuple[int, ActionKind, int], PendingRecv] = field(default_factory=dict)
     sends: list[PendingSend] = field(default_factory=list)  # posted, not known to be finished
@@ -131,16 +132,23 @@ class PipelineSchedule:
         }  # fmt: skip
 
     def step(
-        self, inputs: Sequence[torch.Tensor] | None, targets: Sequence[torch.Tensor] | None, *, sync_grads: bool = True
+        self,
+        inputs: Sequence[torch.Tensor] | None,
+        targets: Sequence[torch.Tensor] | None,
+        *,
+        sync_grads: bool = True,
+        module_kwargs: Sequence[dict[str, Any]] | None = None,
     ) -> StepResult:
         """One forward and backward of every microbatch. `inputs` (the first stage's rank) and `targets` (the
         last stage's rank) hold one tensor per microbatch; the gradients accumulate in the stages' parameters.
+        `module_kwargs` (every rank): per microbatch, keyword arguments of every stage's forward (e.g. the
+        document ids of block-causal attention, which the later stages cannot read from hidden states).
 
         A stage whose module reduces gradients across data-parallel ranks (FSDP, DDP:
         `set_requires_gradient_sync`) reduces them once, in its last backward of the step, with `sync_grads`
         (torch's REDUCE_GRAD), and not at all without (gradient accumulation over several steps' calls)."""
         last_weights = {} if self.explicit_reduce else _last_weight_actions(self.actions)
-        state = _StepState(inputs, targets, sync_grads, last_weights)
+        state = _StepState(inputs, targets, sync_grads, last_weights, module_kwargs)
         for index, action in enumerate(self.actions):
             if action.kind not in _P2P:
                 state.transfers.post()  # the run of transfers before this compute, as one batch
@@ -176,7 +184,8 @@ class PipelineSchedule:
     def _on_forward(self, state: _StepState, index: int, action: Action) -> None:
         s, m = action.stage, _microbatch(action)
         acts = state.live.setdefault((s, m), _Activations())
-        self._forward(self.stages[s], m, acts, state.live, state.recvs, state.inputs, state.targets)
+        self._forward(self.stages[s], m, acts, state.live, state.recvs, state.inputs, state.targets,
+                      state.module_kwargs)  # fmt: skip
         held = sum(1 for key in state.live if key[0] == s)
         state.peak_live[s] = max(state.peak_live.get(s, 0), held)
 
@@ -226,11 +235,17 @@ class PipelineSchedule:
         _finish_weight_backward(self.stages[action.stage].module, state.sync_grads)
 
     @torch.no_grad()
-    def forward_only(self, inputs: Sequence[torch.Tensor] | None, targets: Sequence[torch.Tensor] | None) -> list:
+    def forward_only(
+        self,
+        inputs: Sequence[torch.Tensor] | None,
+        targets: Sequence[torch.Tensor] | None,
+        *,
+        module_kwargs: Sequence[dict[str, Any]] | None = None,
+    ) -> list:
         """Evaluation: the schedule's forwards and their transfers only (the order stays deadlock-free: only
         waits are removed), without gradients; each microbatch's activations are dropped once passed on.
-        Returns the last stage's per-microbatch losses (empty elsewhere)."""
-        state = _StepState(inputs, targets, sync_grads=False, last_weights={})
+        Returns the last stage's per-microbatch losses (empty elsewhere). `module_kwargs`: as `step`'s."""
+        state = _StepState(inputs, targets, sync_grads=False, last_weights={}, module_kwargs=module_kwargs)
         for action in self.actions:
             if action.kind is ActionKind.RECV_F:
                 self._on_recv(state, 0, action)
@@ -238,7 +253,7 @@ class PipelineSchedule:
                 state.transfers.post()
                 stage, s, m = self.stages[action.stage], action.stage, _microbatch(action)
                 acts = state.live.setdefault((s, m), _Activations())
-                self._forward(stage, m, acts, state.live, state.recvs, inputs, targets)
+                self._forward(stage, m, acts, state.live, state.recvs, inputs, targets, module_kwargs)
                 if not stage.is_first and stage.is_local(s - 1):
                     state.live.pop((s - 1, m))  # handed over
                 if stage.is_last:
@@ -258,6 +273,7 @@ class PipelineSchedule:
     def _forward(
         self, stage: PipelineStage, m: int, acts: _Activations, live: dict, recvs: dict,
         inputs: Sequence[torch.Tensor] | None, targets: Sequence[torch.Tensor] | None,
+        module_kwargs: Sequence[dict[str, Any]] | None = None,
     ) -> None:  # fmt: skip
         s = stage.stage_index
         if stage.is_first:
@@ -268,7 +284,7 @@ class PipelineSchedule:
         else:
             x = recvs.pop((s, ActionKind.RECV_F, m)).wait().requires_grad_()
         acts.input = x
-        out = stage.module(x)
+        out = stage.module(x, **(module_kwargs[m] if module_kwargs is not None else {}))
         if stage.is_last:
             assert targets is not None, "the last stage's rank needs the microbatch targets"
             with self.loss_context():

@@ -157,10 +157,13 @@ _LAYOUTS = {
                           "1"]),
     "cp2_alltoall": (2, ["--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree",
                          "1", "--parallelism.context_parallel_rotate_method", "alltoall"]),
+    # every stage's forward gets each microbatch's document ids (the later stages see hidden states)
+    "pp2": (2, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
+                "--parallelism.pipeline_parallel_microbatch_size", "1"]),
 }  # fmt: skip
 
 
-def test_block_causal_training_follows_one_process_under_fsdp_async_tp_and_cp(tmp_path: Path) -> None:
+def test_block_causal_training_follows_one_process_under_fsdp_async_tp_cp_and_pp(tmp_path: Path) -> None:
     from tests.trainer.test_train import _SHORT_DEBUG_JOB, _losses, _train_rank
     from tests.world import run_world
 
@@ -170,13 +173,3 @@ def test_block_causal_training_follows_one_process_under_fsdp_async_tp_and_cp(tm
     for name, (world, flags) in _LAYOUTS.items():
         other = _losses(run_world(_train_rank, world, [*argv, *flags, "--job.dump_folder", str(tmp_path / name)])[0])
         assert other == pytest.approx(one, abs=2e-4), (name, one, other)  # logged to 4 decimals
-
-
-def test_block_causal_under_pipeline_parallelism_is_refused_before_launch() -> None:
-    from trainer.config import load_config
-    from trainer.preflight import check_config
-
-    key = "pipeline_parallel_degree"
-    cfg = load_config([*_FLEX_JOB, f"--parallelism.{key}", "2", "--parallelism.data_parallel_shard_degree", "1"])
-    with pytest.raises(ValueError, match=rf"attn_mask_type='block_causal'\), which parallelism.{key}=2 does not"):
-        check_config(cfg, world_size=2)
