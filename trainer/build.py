@@ -29,14 +29,19 @@ from .runtime import Runtime
 logger = logging.getLogger(__name__)
 
 
-def build_model(cfg: JobConfig, vocab_size: int, *, eos_id: int | None = None, n_layers: int | None = None) -> Decoder:
+def build_model(
+    cfg: JobConfig, vocab_size: int, *, eos_id: int | None = None, n_layers: int | None = None, causal: bool = False
+) -> Decoder:
     """The family's model of the flavor on the meta device (no memory; `init_model` allocates the shards
     after parallelization), its vocabulary the tokenizer's, its end-of-document token `eos_id` (the tokenizer's:
     block-causal masking) and max_seq_len seq_len; with `n_layers`, only its first blocks (the dry run's sampled
-    traces)."""
+    traces); with `causal`, causal attention whatever the flavor's mask (the dry run: fake tokens hold no
+    documents, and causal attention's FLOPs bound block-causal's)."""
     # the model's name and flavor: checked by check_config, as every entry point runs it first
+    mask = {"attn_mask_type": "causal"} if causal and hasattr(model_family(cfg.model.name).flavor(cfg.model.flavor),
+                                                               "attn_mask_type") else {}  # fmt: skip
     args = job_model_args(cfg.model.name, cfg.model.flavor, vocab_size=vocab_size, max_seq_len=cfg.training.seq_len,
-                          **({} if eos_id is None else {"eos_id": eos_id}))  # fmt: skip
+                          **({} if eos_id is None else {"eos_id": eos_id}), **mask)  # fmt: skip
     if n_layers is not None:
         args = dataclasses.replace(args, n_layers=n_layers, **_sampled_dense_layers(cfg, args, n_layers))
     if getattr(args, "moe_args", None) is not None:  # torchtitan's training.debug_moe_force_load_balance

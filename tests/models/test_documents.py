@@ -173,3 +173,12 @@ def test_block_causal_training_follows_one_process_under_fsdp_async_tp_cp_and_pp
     for name, (world, flags) in _LAYOUTS.items():
         other = _losses(run_world(_train_rank, world, [*argv, *flags, "--job.dump_folder", str(tmp_path / name)])[0])
         assert other == pytest.approx(one, abs=2e-4), (name, one, other)  # logged to 4 decimals
+
+
+def test_the_dry_run_prices_a_block_causal_flavor_as_causal() -> None:
+    """Fake tokens hold no documents: the dry run traces causal attention, whose FLOPs bound block-causal's."""
+    from tests.trainer.test_estimate import estimate_json
+
+    flavors = ("debugmodel_flex_attn", "debugmodel")
+    flex, causal = (estimate_json("debug_model", 1, "--model.flavor", flavor) for flavor in flavors)
+    assert flex["ranks"][0]["executed_flops_per_step"] == causal["ranks"][0]["executed_flops_per_step"] > 0

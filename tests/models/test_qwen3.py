@@ -94,8 +94,7 @@ def test_parameter_shapes_are_the_models(name: str) -> None:
     [
         ({"n_heads": 6, "n_kv_heads": 4}, r"n_heads\(6\) must be divisible by n_kv_heads\(4\)"),
         ({"head_dim": 15}, r"head_dim\(15\) must be even"),
-        ({"attn_mask_type": "block_causal"}, "attn_mask_type='block_causal'"),
-        ({"use_flex_attn": True}, "use_flex_attn"),
+        ({"attn_mask_type": "document"}, r"attn_mask_type='document': expected one of \('causal', 'block_causal'\)"),
         ({"moe_enabled": True, "moe_inter_dim": 0}, r"moe_inter_dim\(0\)"),
     ],
 )

@@ -242,7 +242,7 @@ def _step_setup(
     n_micro = accumulation_steps(global_batch, training.local_batch_size, runtime.dp_size) if global_batch else 1
     torch.manual_seed(int(training.seed or 0))
     fpt = _whole_model_flops_per_token(cfg.model.name, cfg.model.flavor, vocab, training.seq_len)
-    return vocab, n_micro, build_model(cfg, vocab, n_layers=n_layers), fpt
+    return vocab, n_micro, build_model(cfg, vocab, n_layers=n_layers, causal=True), fpt
 
 
 def _whole_model_flops_per_token(name: str, flavor: str, vocab: int, seq_len: int) -> float:
