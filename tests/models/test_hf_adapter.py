@@ -75,7 +75,11 @@ def test_permutation_is_inverted_bitwise_and_uses_the_kv_heads_for_wk() -> None:
     assert hf.to_hf_tensor("layers.0.attention.wv.weight", wk, ARGS) is wk
 
 
-@pytest.mark.parametrize("name", sorted(llama3_configs))
+# debugmodel_flex_attn is debugmodel's shape with the block-causal mask, which a Hugging Face config does not carry
+SHAPES = sorted(name for name in llama3_configs if name != "debugmodel_flex_attn")
+
+
+@pytest.mark.parametrize("name", SHAPES)
 def test_hf_config_round_trips_every_flavor(name: str) -> None:
     args = llama3_configs[name]
     config = hf.hf_config(args, dtype="bfloat16")
@@ -85,7 +89,7 @@ def test_hf_config_round_trips_every_flavor(name: str) -> None:
     assert hf.hf_config(back, dtype="bfloat16") == config
 
 
-@pytest.mark.parametrize("name", sorted(llama3_configs))
+@pytest.mark.parametrize("name", SHAPES)
 def test_from_hf_config_is_the_adapters_reading_of_every_flavor(name: str) -> None:
     config = hf.hf_config(llama3_configs[name], dtype="bfloat16")
     args = TransformerModelArgs.from_hf_config(config)

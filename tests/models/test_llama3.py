@@ -7,6 +7,7 @@ embedding and output (and FSDP's dim-0 shards) are uneven.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable
 
 import pytest
@@ -90,7 +91,10 @@ def test_configs_have_torchtitan_shapes():
     with torch.device("meta"):
         n_params = sum(p.numel() for p in Transformer(llama3_configs["8B"]).parameters())
     assert n_params == 8_030_261_248  # Llama 3 8B
-    assert set(llama3_configs) == {"debugmodel", "1B", "8B", "70B", "405B"}
+    assert set(llama3_configs) == {"debugmodel", "debugmodel_flex_attn", "1B", "8B", "70B", "405B"}
+    flex = llama3_configs["debugmodel_flex_attn"]  # torchtitan's: the debug model, block-causal through flex
+    assert dataclasses.replace(flex, use_flex_attn=False, attn_mask_type="causal") == debug
+    assert (flex.use_flex_attn, flex.attn_mask_type) == (True, "block_causal")
 
 
 def test_forward_shape_and_fqns():
