@@ -38,10 +38,14 @@ def build_model(
     traces); with `causal`, causal attention whatever the flavor's mask (the dry run: fake tokens hold no
     documents, and causal attention's FLOPs bound block-causal's)."""
     # the model's name and flavor: checked by check_config, as every entry point runs it first
-    mask = {"attn_mask_type": "causal"} if causal and hasattr(model_family(cfg.model.name).flavor(cfg.model.flavor),
-                                                               "attn_mask_type") else {}  # fmt: skip
+    flavor_mask = getattr(model_family(cfg.model.name).flavor(cfg.model.flavor), "attn_mask_type", "causal")
+    mask: dict[str, Any] = {}
+    if causal and flavor_mask != "causal":
+        mask = {"attn_mask_type": "causal"}
+    elif flavor_mask == "block_causal" and eos_id is not None:  # a causal model's args stay the flavor's
+        mask = {"eos_id": eos_id}
     args = job_model_args(cfg.model.name, cfg.model.flavor, vocab_size=vocab_size, max_seq_len=cfg.training.seq_len,
-                          **({} if eos_id is None else {"eos_id": eos_id}), **mask)  # fmt: skip
+                          **mask)  # fmt: skip
     if n_layers is not None:
         args = dataclasses.replace(args, n_layers=n_layers, **_sampled_dense_layers(cfg, args, n_layers))
     if getattr(args, "moe_args", None) is not None:  # torchtitan's training.debug_moe_force_load_balance

@@ -12,8 +12,12 @@ from checkpoint.format import CheckpointError
 from checkpoint.manager import StateRoles
 
 # Model args the weights do not depend on: the context length (the rotary table is rebuilt for it),
-# the vocabulary (its shapes are checked with every tensor) and the init scheme.
-_SHAPE_OR_INIT_ARGS = frozenset({"max_seq_len", "vocab_size", "depth_init"})
+# the vocabulary (its shapes are checked with every tensor), the init scheme, and how attention treats the
+# documents packed into a row (causal or block-causal, the EOS that ends one, the kernel): one set of weights
+# serves both masks (Llama 3 was pre-trained block-causal).
+_SHAPE_OR_INIT_ARGS = frozenset(
+    {"max_seq_len", "vocab_size", "depth_init", "attn_mask_type", "use_flex_attn", "eos_id"}
+)
 
 
 def check_model_args(directory: Path, saved: dict[str, Any], ours: dict[str, Any]) -> None:
