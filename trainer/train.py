@@ -162,11 +162,12 @@ def build_components(cfg: JobConfig, runtime: Runtime) -> Components:
     model, optimizer, scheduler = build_model_and_optimizer(
         cfg, runtime, model_vocab_size(tokenizer, cfg.model.vocab_size), eos_id=tokenizer.eos_id
     )
-    dp_group = runtime.world_mesh["dp"].get_group() if runtime.dp_size > 1 else None
+    # the mesh, not its group: a mesh holds its groups weakly, and the loader outlives destroy_process_group()
+    dp_mesh = runtime.world_mesh["dp"] if runtime.dp_size > 1 else None
 
     def gather_state(state: dict[str, Any]) -> list[dict[str, Any]]:  # each dp rank knows only its rows' cursors
-        assert dp_group is not None  # called only when dp > 1
-        return cast(list[dict[str, Any]], all_gather_object(state, dp_group))
+        assert dp_mesh is not None  # called only when dp > 1
+        return cast(list[dict[str, Any]], all_gather_object(state, dp_mesh.get_group()))
 
     loader = build_data_loader(
         training.dataset, tokenizer, dataset_path=training.dataset_path, text_field=training.dataset_text_field,
