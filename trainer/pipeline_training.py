@@ -28,6 +28,7 @@ from torch import nn
 from models.common.decoder import Decoder
 from models.common.pipeline_split import split_model, tied_across_stages
 from parallelisms.dtensor import DeviceMesh, DTensor
+from parallelisms.dtensor.collectives import wait_point_to_point
 from parallelisms.dtensor.dtensor import local_tensor
 from parallelisms.pipeline_parallel import ScheduleSpec, lower_schedule, stage_to_rank
 from parallelisms.pipeline_parallel.interpreter import PipelineSchedule
@@ -185,12 +186,20 @@ def pipeline_train_step(
                              module_kwargs=pipeline.microbatch_kwargs(inputs, n))  # fmt: skip
         for loss in result.losses:  # under loss parallelism a DTensor, Replicate over tp
             total = total + (loss.full_tensor() if isinstance(loss, DTensor) else loss)
-    dist.all_reduce(total, group=pipeline.pp_group)  # the last stage's loss, on every stage (for the log)
+    # the last stage's loss, on every stage (for the log)
+    _all_reduce_within_timeout(total, pipeline.pp_group, "the pipeline's loss all-reduce")
     _sum_tied_gradients(pipeline)
     grad_norm = _clip_over_stages(pipeline, max_norm)
     optimizer.step()
     pipeline.model.sync_tied_copy()
     return StepResult(total, grad_norm, skipped=False)
+
+
+def _all_reduce_within_timeout(tensor: torch.Tensor, group: dist.ProcessGroup | None, what: str) -> None:
+    """A blocking all-reduce over the pipeline's ranks whose wait is bounded by the group's timeout and, past
+    it, names itself (as the stages' sends and receives do): a hung stage is found wherever the others wait."""
+    work = dist.all_reduce(tensor, group=group, async_op=True)
+    wait_point_to_point([work], group or dist.group.WORLD, what)  # type: ignore[arg-type]
 
 
 def _tied_weight(part: Decoder) -> nn.Parameter:
@@ -216,7 +225,7 @@ def _sum_tied_gradients(pipeline: Pipeline) -> None:
     assert pipeline.tie_group is not None and len(tied) == 1
     grad = _tied_weight(tied[0]).grad
     assert grad is not None, "a tied weight without a gradient after the step's backward"
-    dist.all_reduce(local_tensor(grad), group=pipeline.tie_group)
+    _all_reduce_within_timeout(local_tensor(grad), pipeline.tie_group, "the tied weight's gradient all-reduce")
 
 
 def build_tie_group(world_mesh: DeviceMesh, tied: bool, placement: str) -> dist.ProcessGroup | None:
@@ -244,7 +253,7 @@ def _clip_over_stages(pipeline: Pipeline, max_norm: float) -> torch.Tensor:
     reduce_partial_grads(with_grads)  # once, coalesced (partial_grads.py)
     grads = [p.grad for p in with_grads if p.grad is not None and id(p) not in twins]
     squared = total_grad_norm(grads).pow(2)
-    dist.all_reduce(squared, group=pipeline.pp_group)
+    _all_reduce_within_timeout(squared, pipeline.pp_group, "the pipeline's gradient-norm all-reduce")
     norm = squared.sqrt()
     if max_norm > 0 and grads:
         torch.nn.utils.clip_grads_with_norm_([p for p in pipeline.model.parameters() if p.grad is not None],
