@@ -34,11 +34,14 @@ from parallelisms.parallel_dims import ParallelDims
 from parallelisms.ring_pass import RingGroup
 from parallelisms.tensor_parallel import (
     ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
     PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
+from parallelisms.tensor_parallel.async_styles import async_tp_plan
 from parallelisms.tensor_parallel.moe_styles import GroupedExpertsParallel, NoParallel
 
 
@@ -113,6 +116,35 @@ def apply_tp(
         block_tp_plan(block, tp_mesh, async_tp=async_tp)
     if model.model_args.tie_word_embeddings:  # type: ignore[union-attr]
         _retie(model)
+
+
+def attention_tp_plan() -> dict[str, ParallelStyle]:
+    """Grouped-query attention under TP/SP (Llama, Qwen3): its norm on sequence shards; the input all-gathered
+    (S(1) -> R) for wq, wk, wv, column-wise; wo row-wise, reduce-scattered back to S(1). (x, freqs_cis):
+    freqs_cis is a plain replicated tensor and passes through untouched."""
+    return {
+        "attention_norm": SequenceParallel(),
+        "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+    }
+
+
+def mlp_tp_plan() -> dict[str, ParallelStyle]:
+    """The dense SwiGLU under TP/SP: the input all-gathered, w1 and w3 column-wise, w2 row-wise reduce-scattered."""
+    return {
+        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        "feed_forward.w3": ColwiseParallel(),
+    }
+
+
+def apply_block_plan(block: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, ParallelStyle], *, async_tp: bool) -> None:
+    """`plan` on `block`; with `async_tp`, its gathers and reduce-scatters as collective matmuls (async_tp_plan)."""
+    parallelize_module(block, tp_mesh, async_tp_plan(block, plan) if async_tp else plan)
 
 
 def apply_moe_tp(block: nn.Module, tp_mesh: DeviceMesh) -> None:

@@ -100,14 +100,10 @@ def block_causal_attention(
     return _flex_attention(q, k, v, documents)
 
 
-def block_causal_mask(documents: torch.Tensor, key_documents: torch.Tensor | None = None, *,
-                      causal: bool = True) -> torch.Tensor:  # fmt: skip
-    """(B, 1, Tq, Tk) bool: query t may see key s (same document; with `causal`, s <= t)."""
-    keys = documents if key_documents is None else key_documents
-    mask = documents[:, None, :, None] == keys[:, None, None, :]
-    if causal:
-        mask &= torch.ones(mask.shape[-2:], dtype=torch.bool, device=mask.device).tril()
-    return mask
+def block_causal_mask(documents: torch.Tensor) -> torch.Tensor:
+    """(B, 1, T, T) bool: query t may see key s (the same document, s <= t)."""
+    mask = documents[:, None, :, None] == documents[:, None, None, :]
+    return mask & torch.ones(mask.shape[-2:], dtype=torch.bool, device=mask.device).tril()
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

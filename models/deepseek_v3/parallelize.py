@@ -17,7 +17,7 @@ from typing import Any
 
 from torch import nn
 
-from models.decoder_parallelize import apply_moe_tp, parallelize_decoder
+from models.decoder_parallelize import apply_block_plan, apply_moe_tp, mlp_tp_plan, parallelize_decoder
 from parallelisms.dtensor import DeviceMesh, Replicate, Shard
 from parallelisms.tensor_parallel import (
     ColwiseParallel,
@@ -25,9 +25,7 @@ from parallelisms.tensor_parallel import (
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
-    parallelize_module,
 )
-from parallelisms.tensor_parallel.async_styles import async_tp_plan
 from parallelisms.tensor_parallel.moe_styles import NoParallel, partial_grad
 
 
@@ -36,7 +34,6 @@ def block_tp_plan(block: nn.Module, tp_mesh: DeviceMesh, *, async_tp: bool = Fal
     collectives as collective matmuls; the attention's input, which feeds replicated low-rank projections
     (NoParallel) besides the column-parallel ones, is gathered at once."""
     attention: Any = block.get_submodule("attention")  # its `shared_key` hook is a plain attribute
-    rewrite = partial(async_tp_plan, block) if async_tp else dict
     plan: dict[str, ParallelStyle] = {
         "attention_norm": SequenceParallel(),
         # (x, freqs_cis): x all-gathered and handed on as a local tensor
@@ -53,18 +50,12 @@ def block_tp_plan(block: nn.Module, tp_mesh: DeviceMesh, *, async_tp: bool = Fal
         plan["attention.wq"] = ColwiseParallel()
     else:
         plan |= {"attention.wq_a": NoParallel(), "attention.q_norm": NoParallel(), "attention.wq_b": ColwiseParallel()}
-    parallelize_module(block, tp_mesh, rewrite(plan))
+    apply_block_plan(block, tp_mesh, plan, async_tp=async_tp)
     attention.shared_key = partial(partial_grad, mesh=tp_mesh)
     if block.moe_enabled:
         apply_moe_tp(block, tp_mesh)
         return
-    mlp: dict[str, ParallelStyle] = {
-        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-        "feed_forward.w3": ColwiseParallel(),
-    }
-    parallelize_module(block, tp_mesh, rewrite(mlp))
+    apply_block_plan(block, tp_mesh, mlp_tp_plan(), async_tp=async_tp)
 
 
 parallelize_deepseek_v3 = partial(parallelize_decoder, block_tp_plan=block_tp_plan)

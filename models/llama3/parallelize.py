@@ -8,23 +8,18 @@ from functools import partial
 from torch import nn
 
 from models.decoder_parallelize import (
+    apply_block_plan,
     apply_compile,
     apply_cp,
     apply_fsdp,
+    attention_tp_plan,
     data_parallel_mesh,
+    mlp_tp_plan,
     parallelize_decoder,
 )
 from models.decoder_parallelize import apply_tp as apply_decoder_tp
-from parallelisms.dtensor import DeviceMesh, Replicate, Shard
-from parallelisms.tensor_parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
-from parallelisms.tensor_parallel.async_styles import async_tp_plan
+from parallelisms.dtensor import DeviceMesh
+from parallelisms.tensor_parallel import SequenceParallel
 
 __all__ = [
     "apply_compile",
@@ -41,21 +36,8 @@ def block_tp_plan(block: nn.Module, tp_mesh: DeviceMesh, *, async_tp: bool = Fal
     """A Llama block under TP/SP: the norms on sequence shards; attention and the MLP all-gather them (S(1) -> R),
     run column-wise then row-wise linears, and reduce-scatter back to S(1); with `async_tp`, the gathers and
     reduce-scatters run as collective matmuls."""
-    plan: dict[str, ParallelStyle] = {
-        "attention_norm": SequenceParallel(),
-        # (x, freqs_cis): freqs_cis is a plain replicated tensor and passes through untouched
-        "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-        "ffn_norm": SequenceParallel(),
-        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-        "feed_forward.w3": ColwiseParallel(),
-    }
-    parallelize_module(block, tp_mesh, async_tp_plan(block, plan) if async_tp else plan)
+    plan = {**attention_tp_plan(), "ffn_norm": SequenceParallel(), **mlp_tp_plan()}
+    apply_block_plan(block, tp_mesh, plan, async_tp=async_tp)
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, enable_async_tp: bool = False) -> None:

@@ -42,6 +42,24 @@ class DocumentStream:
     tokenizer: Tokenizer
     name: str
 
+    def non_blank(self, first: int, read: ReadCount) -> Iterator[tuple[int, str]]:
+        """(raw index, text) of the non-blank documents from raw index `first` on, one epoch; every document
+        read, and every blank one, counted in `read`."""
+        for index, text in enumerate(self.documents(first), start=first):
+            read.documents += 1
+            if not text.strip():
+                read.blank += 1  # an empty document would only add a BOS/EOS pair
+                continue
+            yield index, text
+
+
+@dataclass
+class ReadCount:
+    """What one pass over a stream's documents read (for its end-of-epoch report)."""
+
+    documents: int = 0
+    blank: int = 0
+
 
 def _reader(
     dataset: Any, field: str, where: str, *, strip: bool, locate: Callable[[], str] = lambda: "a file"

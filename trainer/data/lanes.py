@@ -41,12 +41,11 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .documents import DocumentStream
+from .documents import DocumentStream, ReadCount
 from .mixing import row_sources, slice_bounds
 from .source import Cursor
 from .stream import note_long_document
@@ -55,14 +54,6 @@ logger = logging.getLogger(__name__)
 
 LaneCursor = list[int]  # [p, epoch, index, used, length]
 _FIELDS = 5
-
-
-@dataclass
-class _Read:
-    """What one pass over a source's documents read (for its end-of-epoch report)."""
-
-    documents: int = 0
-    blank: int = 0
 
 
 class _Dealer:
@@ -94,18 +85,14 @@ class _Dealer:
     def _documents(self, p: int, epoch: int, first: int) -> Iterator[tuple[int, int, int, str]]:
         """Non-blank documents from raw position (epoch, first), numbered from p, epoch after epoch."""
         while True:
-            read = _Read()
-            for index, text in enumerate(self.stream.documents(first), start=first):
-                read.documents += 1
-                if not text.strip():
-                    read.blank += 1  # an empty document would only add a BOS/EOS pair
-                    continue
+            read = ReadCount()
+            for index, text in self.stream.non_blank(first, read):
                 yield p, epoch, index, text
                 p += 1
             self._end_epoch(epoch, first, read, p)
             epoch, first = epoch + 1, 0
 
-    def _end_epoch(self, epoch: int, first: int, read: _Read, p: int) -> None:
+    def _end_epoch(self, epoch: int, first: int, read: ReadCount, p: int) -> None:
         """Refuse data that can never fill a window; log the epoch at a bounded rate (after epochs 1, 2, 4, ...)."""
         name = self.stream.name
         if first == 0 and read.documents == read.blank:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .documents import DocumentStream
+from .documents import DocumentStream, ReadCount
 from .source import Cursor
 
 logger = logging.getLogger(__name__)
@@ -68,11 +68,7 @@ class StreamedWindows:
         epoch, first, skip = cursor["epoch"], cursor["document"], cursor["token_offset"]  # skip: the first only
         while True:
             read = _EpochCount()
-            for index, text in enumerate(self.stream.documents(first), start=first):
-                read.documents += 1
-                if not text.strip():
-                    read.blank += 1  # an empty document would only add a BOS/EOS pair
-                    continue
+            for index, text in self.stream.non_blank(first, read):
                 ids = tokenizer.encode(text, bos=True, eos=True)
                 read.tokens += len(ids)
                 note_long_document(self._long, self.stream.name, index, len(ids), width)
@@ -117,11 +113,9 @@ class StreamedWindows:
 
 
 @dataclass
-class _EpochCount:
-    """What one pass over the documents read."""
+class _EpochCount(ReadCount):
+    """What one pass over the documents read, and the tokens they framed."""
 
-    documents: int = 0
-    blank: int = 0
     tokens: int = 0
 
 
